@@ -1,0 +1,93 @@
+"""`python -m app serve | generate | fetch-model | bench generate | bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.config import DEFAULT_MODEL, Settings
+from app.errors import ServeError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    for flag in ("--model", "--served-model-name", "--host", "--device", "--dtype", "--api-key", "--log-level",
+                 "--model-cache"):
+        serve.add_argument(flag)
+    for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes"):
+        serve.add_argument(flag, type=int)
+    serve.add_argument("--shutdown-grace-s", type=float)
+    serve.add_argument("--cors-origins", help="comma-separated origins")
+
+    gen = commands.add_parser("generate", help="stream one answer to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help=f"default: $MODEL or {DEFAULT_MODEL}")
+    gen.add_argument("--system", default=None, help="optional system message")
+    gen.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--repetition-penalty", type=float)
+    gen.add_argument("--presence-penalty", type=float)
+    gen.add_argument("--frequency-penalty", type=float)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--device")
+    gen.add_argument("--dtype")
+    gen.add_argument("--show-logits", nargs="?", const=5, type=int, metavar="K",
+                     help="print each step's top K candidates after the processors (default 5)")
+
+    fetch = commands.add_parser("fetch-model", help="download and convert an embedded model")
+    fetch.add_argument("names", nargs="*", help="embedded model names (default: $MODEL or the default model)")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
+    from app import bench_generate, bench_serve  # the benchmarks are optional leaves of the CLI
+
+    bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
+    bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            from app.main import run_server
+
+            return run_server(settings_from(args))
+        if args.command == "generate":
+            from app.cli_generate import run_generate
+
+            return run_generate(args, settings_from(args, keys=("model", "device", "dtype")))
+        if args.command == "fetch-model":
+            from app.fetch import fetch_model
+
+            settings = Settings()
+            for name in args.names or [settings.model]:
+                print(fetch_model(name, settings.model_cache))
+            return 0
+        if args.bench_command == "generate":
+            bench_generate.run(args)
+        else:
+            bench_serve.run(args)
+        return 0
+    except ServeError as err:
+        where = f" (parameter: {err.param})" if err.param else ""
+        print(f"error: {err.message}{where}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # pydantic's ValidationError names the setting
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def settings_from(args: argparse.Namespace, keys: tuple[str, ...] | None = None) -> Settings:
+    """CLI flags override env vars, which override defaults."""
+    given = {k: v for k, v in vars(args).items() if v is not None and (keys is None or k in keys)}
+    return Settings(**{k: v for k, v in given.items() if k in Settings.model_fields})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Thin HTTP routes. Each one finds the server state, checks access, and hands off to serving.py."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.detokenize import decode
+from app.errors import InvalidRequest, ServeError, ShuttingDown
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.serving import CompletionServing
+from app.state import ServerState
+
+
+class Unauthorized(ServeError):
+    status = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="invalid_api_key")
+
+
+class NotReady(ServeError):
+    status = 503
+    error_type = "server_error"
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.serve
+
+
+State = Annotated[ServerState, Depends(get_state)]
+
+
+def require_api_key(request: Request, state: State) -> None:
+    expected = state.settings.api_key
+    if not expected:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    # compare_digest: the time taken must not reveal how much of the key matched
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+        raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`")
+
+
+def get_serving(state: State) -> CompletionServing:
+    if state.draining:
+        raise ShuttingDown()
+    if not state.ready:
+        raise NotReady(state.load_error or "the model is still loading; retry when /ready answers 200",
+                       code="model_not_ready")
+    return state.serving
+
+
+Serving = Annotated[CompletionServing, Depends(get_serving)]
+public = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@public.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@public.get("/ready")
+async def ready(state: State) -> JSONResponse:
+    if state.ready and not state.draining:
+        return JSONResponse({"status": "ready", "model": state.settings.model_id})
+    status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+    return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+
+
+@public.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving):
+    return await serving.chat(body, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, serving: Serving):
+    return await serving.completion(body, request)
+
+
+@router.get("/v1/models")
+async def list_models(state: State) -> dict:
+    lm = state.lm
+    return {"object": "list", "data": [{
+        "id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
+        "max_model_len": lm.max_context if lm else state.settings.max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, serving: Serving) -> dict:
+    if body.model is not None:
+        serving.check_model(body.model)
+    lm = serving.lm
+    if body.messages is not None:
+        ids = lm.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    elif body.prompt is not None:
+        ids = lm.encode_text(body.prompt)
+    else:
+        raise InvalidRequest("give `prompt` or `messages`", param="prompt")
+    return {"tokens": ids, "count": len(ids), "max_model_len": lm.max_context}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, serving: Serving) -> dict:
+    if body.model is not None:
+        serving.check_model(body.model)
+    bad = [t for t in body.tokens if not 0 <= t < len(serving.lm.tokenizer)]
+    if bad:
+        raise InvalidRequest(f"token ids outside the vocabulary: {bad[:5]}", param="tokens")
+    return {"prompt": decode(serving.lm.tokenizer, body.tokens)}

@@ -1,0 +1,141 @@
+"""`python -m app bench generate`: batch-1 decode speed of our loop vs `model.generate()`, and the memory floor.
+
+At batch 1 every decode step reads every weight once, so no implementation can beat
+    floor tokens/s = measured memory read bandwidth / bytes read per step (weights + this request's KV cache).
+We measure the bandwidth here, on the same machine and in the same run, rather than quoting a datasheet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from app.config import Settings
+from app.generate import Sequence, decode_step, prefill
+from app.models import load_model
+from app.sampling import SamplingParams
+
+PROMPT = "Which city is the capital of France? Answer, then describe the city in a few paragraphs."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: $MODEL or the embedded default")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per timed run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (best is reported)")
+    parser.add_argument("--out", default=None, help="also write the figures as JSON here")
+
+
+def measure_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Bytes/s for a pure read (a sum over a buffer larger than any cache) and for a copy (read + write)."""
+    buffer = torch.ones(n_bytes // 4, dtype=torch.float32)
+    target = torch.empty_like(buffer)
+    buffer.sum(), target.copy_(buffer)  # fault the pages in before timing
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    read_s = best(lambda: buffer.sum())
+    copy_s = best(lambda: target.copy_(buffer))
+    return {"read_GBps": n_bytes / read_s / 1e9, "copy_GBps": 2 * n_bytes / copy_s / 1e9}
+
+
+def time_our_loop(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """(time to first token, decode tokens/s after the first) for the hand-written loop, greedy, EOS ignored."""
+    params = SamplingParams(max_tokens=max_tokens, do_sample=False, ignore_eos=True)
+    start = time.perf_counter()
+    seq = Sequence(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)
+    event = seq.choose(prefill(lm.model, seq))
+    first = time.perf_counter()
+    while not event.finish_reason:
+        event = seq.choose(decode_step(lm.model, seq))
+    end = time.perf_counter()
+    return first - start, (max_tokens - 1) / (end - first)
+
+
+@torch.inference_mode()
+def time_hf_generate(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """The same measurement for transformers' generate(): TTFT from a 1-token run, decode rate from the rest."""
+    ids = torch.tensor([prompt_ids], device=lm.device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    lm.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    lm.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
+    total = time.perf_counter() - start
+    return ttft, (max_tokens - 1) / max(total - ttft, 1e-9)
+
+
+def run(args: argparse.Namespace) -> dict:
+    given = {k: getattr(args, k) for k in ("model", "device", "dtype") if getattr(args, k) is not None}
+    settings = Settings(**given)
+    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache)
+    torch.set_grad_enabled(False)
+    prompt_ids = lm.encode_chat([{"role": "user", "content": PROMPT}])
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    cfg = lm.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * lm.dtype.itemsize
+    mean_context = len(prompt_ids) + args.max_tokens / 2
+    bytes_per_step = weight_bytes + kv_bytes_per_token * mean_context
+    bandwidth = measure_read_bandwidth() if lm.device.type == "cpu" else measure_gpu_bandwidth()
+
+    time_our_loop(lm, prompt_ids, 4)  # warm-up: first-call allocations and kernel selection
+    ours = [time_our_loop(lm, prompt_ids, args.max_tokens) for _ in range(args.repeats)]
+    theirs = [time_hf_generate(lm, prompt_ids, args.max_tokens) for _ in range(args.repeats)]
+    floor = bandwidth["read_GBps"] * 1e9 / bytes_per_step
+    result = {
+        "model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "prompt_tokens": len(prompt_ids),
+        "max_tokens": args.max_tokens, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+        "bytes_per_decode_step": int(bytes_per_step), **bandwidth, "floor_tokens_per_s": floor,
+        "ours_tokens_per_s": max(r for _, r in ours), "ours_ttft_s": statistics.median(t for t, _ in ours),
+        "hf_generate_tokens_per_s": max(r for _, r in theirs),
+        "hf_generate_ttft_s": statistics.median(t for t, _ in theirs),
+    }
+    result["ours_vs_hf"] = result["ours_tokens_per_s"] / result["hf_generate_tokens_per_s"]
+    result["ours_vs_floor"] = result["ours_tokens_per_s"] / floor
+    print_report(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def measure_gpu_bandwidth(n_bytes: int = 4 << 30) -> dict[str, float]:
+    buffer = torch.ones(n_bytes // 4, dtype=torch.float32, device="cuda")
+    target = torch.empty_like(buffer)
+    buffer.sum(), target.copy_(buffer)
+    torch.cuda.synchronize()
+    times = {}
+    for name, fn in (("read", lambda: buffer.sum()), ("copy", lambda: target.copy_(buffer))):
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - start) / 10
+    return {"read_GBps": n_bytes / times["read"] / 1e9, "copy_GBps": 2 * n_bytes / times["copy"] / 1e9}
+
+
+def print_report(r: dict) -> None:
+    print(f"model {r['model']} on {r['device']} ({r['dtype']}), prompt {r['prompt_tokens']} tokens, "
+          f"{r['max_tokens']} new tokens")
+    print(f"weights {r['weight_bytes'] / 1e9:.3f} GB + KV {r['kv_bytes_per_token'] / 1e3:.1f} kB/token "
+          f"-> {r['bytes_per_decode_step'] / 1e9:.3f} GB read per decode step")
+    print(f"memory: read {r['read_GBps']:.1f} GB/s, copy {r['copy_GBps']:.1f} GB/s "
+          f"-> floor {r['floor_tokens_per_s']:.1f} tokens/s at batch 1")
+    print(f"{'':22}{'decode tok/s':>14}{'TTFT s':>10}")
+    print(f"{'our loop':22}{r['ours_tokens_per_s']:>14.2f}{r['ours_ttft_s']:>10.3f}")
+    print(f"{'model.generate()':22}{r['hf_generate_tokens_per_s']:>14.2f}{r['hf_generate_ttft_s']:>10.3f}")
+    print(f"ours / generate(): {r['ours_vs_hf']:.2f}x   ours / floor: {r['ours_vs_floor']:.0%}")

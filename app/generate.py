@@ -1,0 +1,168 @@
+"""The decode loop: the article's `simple_generate`, with a per-request KV cache, streaming events and stop rules.
+
+    1) prefill: run the model body over the prompt once, filling this request's own DynamicCache,
+       and apply lm_head to the last position only (full-prompt logits would be prompt_len x vocab floats);
+    2) choose the next token from those logits (app.sampling);
+    3) turn it into text and check the stop rules (app.detokenize, app.stopping), and yield an event;
+    4) decode: feed only the new token at its position, and go back to 2.
+
+`generate()` is that loop for one request. The engine drives the same steps (`prefill`, `decode_step`,
+`Sequence.choose`) for many requests at once. `reference_generate` is the article's first, cache-free version,
+kept as a test oracle: it must produce exactly the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence as Seq
+
+import torch
+from transformers import DynamicCache
+
+from app.detokenize import IncrementalDetokenizer
+from app.errors import InvalidRequest
+from app.sampling import SamplingParams, make_generator, process_logits, sample
+from app.stopping import StopStringFilter, token_finish_reason
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as a caller sees it."""
+
+    token_id: int
+    text: str  # newly visible text; "" while a character or a possible stop string is incomplete
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    candidates: list[tuple[int, float]] | None = None  # top probabilities after the processors (--show-logits)
+    finish_reason: str | None = None  # "stop" | "length" on the last event
+
+
+def check_request(prompt_ids: Seq[int], params: SamplingParams, vocab_size: int, max_context: int) -> int:
+    """Reject what cannot run before any compute is spent; return how many tokens may be generated."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="messages")
+    params.check_vocab(vocab_size)
+    room = max_context - len(prompt_ids)
+    wanted = params.max_tokens if params.max_tokens is not None else room
+    if room < 1 or wanted > room:
+        raise InvalidRequest(
+            f"this model's context window is {max_context} tokens; the prompt has {len(prompt_ids)} tokens "
+            f"and max_tokens asks for {wanted} more", param="max_tokens" if room >= 1 else "messages",
+            code="context_length_exceeded")
+    return wanted
+
+
+class Sequence:
+    """Everything one request owns: its tokens, KV cache, random generator, detokenizer and stop state."""
+
+    def __init__(self, model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
+                 max_context: int, show_candidates: int = 0):
+        self.params = params
+        self.max_new_tokens = check_request(prompt_ids, params, model.config.vocab_size, max_context)
+        self.prompt_len = len(prompt_ids)
+        device = model.device
+        # prompt + output ids in one preallocated row, so penalties read a view instead of building a tensor per step
+        self.token_ids = torch.zeros(1, self.prompt_len + self.max_new_tokens, dtype=torch.long, device=device)
+        self.token_ids[0, : self.prompt_len] = torch.tensor(list(prompt_ids), device=device)
+        self.length = self.prompt_len
+        self.cache = DynamicCache(config=model.config)
+        self.generator = make_generator(params.seed, device)
+        self.eos_ids = frozenset(eos_ids)
+        # EOS is banned until min_tokens exist (vLLM semantics)
+        self.banned_until_min = list(self.eos_ids) if params.min_tokens and not params.ignore_eos else []
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop_filter = StopStringFilter(params.stop)
+        self.show_candidates = show_candidates
+        self.finish_reason: str | None = None
+
+    @property
+    def n_generated(self) -> int:
+        return self.length - self.prompt_len
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        return self.token_ids[:, self.length - 1 : self.length]  # [1, 1]
+
+    def choose(self, logits: torch.Tensor) -> TokenEvent:
+        """logits: [1, vocab] raw scores for the next position -> the chosen token as an event."""
+        banned = self.banned_until_min if self.n_generated < self.params.min_tokens else []
+        scores = process_logits(logits, self.params, self.token_ids[:, : self.length],
+                                self.token_ids[:, self.prompt_len : self.length], banned)
+        token = sample(scores, self.params, self.generator)  # [1]
+        self.token_ids[:, self.length] = token
+        self.length += 1
+        event = TokenEvent(token_id=int(token.item()), text="")
+        if self.params.logprobs:
+            logprobs = logits.log_softmax(dim=-1)[0]  # OpenAI and vLLM report the model's own distribution
+            event.logprob = float(logprobs[event.token_id])
+            if self.params.top_logprobs:
+                top = logprobs.topk(self.params.top_logprobs)
+                event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+        if self.show_candidates:
+            top = scores.softmax(dim=-1)[0].topk(self.show_candidates)
+            event.candidates = list(zip(top.indices.tolist(), top.values.tolist()))
+        return self._finish_event(event)
+
+    def _finish_event(self, event: TokenEvent) -> TokenEvent:
+        p = self.params
+        reason = token_finish_reason(event.token_id, self.n_generated, self.max_new_tokens, self.eos_ids,
+                                     p.min_tokens, p.ignore_eos)
+        text = self.detokenizer.add(event.token_id)
+        if reason is not None:  # the last token: release what the detokenizer still holds
+            text += self.detokenizer.flush()
+        matched = False
+        if self.n_generated >= p.min_tokens:  # stop strings count only once min_tokens exist (vLLM semantics)
+            text, matched = self.stop_filter.feed(text)
+        if matched:
+            reason = "stop"  # the stop string and anything after it are never shown
+        elif reason is not None:
+            text += self.stop_filter.flush()  # a held tail that never became a stop string is real output
+        event.text, event.finish_reason = text, reason
+        self.finish_reason = reason
+        return event
+
+
+@torch.inference_mode()
+def prefill(model, seq: Sequence) -> torch.Tensor:
+    """Run the whole prompt once; return float32 logits [1, vocab] for the next token only."""
+    input_ids = seq.token_ids[:, : seq.length]  # [1, S]
+    positions = torch.arange(seq.length, device=input_ids.device)[None, :]  # [1, S]
+    hidden = model.model(input_ids=input_ids, position_ids=positions, cache=seq.cache, use_cache=True)
+    return model.lm_head(hidden.last_hidden_state[:, -1:, :])[:, -1, :].float()
+
+
+@torch.inference_mode()
+def decode_step(model, seq: Sequence) -> torch.Tensor:
+    """Feed only the newest token at its position; the cache holds everything before it."""
+    position = torch.tensor([[seq.length - 1]], device=seq.token_ids.device)  # [1, 1]
+    hidden = model.model(input_ids=seq.last_token, position_ids=position, cache=seq.cache, use_cache=True)
+    return model.lm_head(hidden.last_hidden_state)[:, -1, :].float()
+
+
+def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
+             max_context: int, show_candidates: int = 0) -> Iterator[TokenEvent]:
+    """Stream one request's tokens. Stop iterating at any time to cancel; the cache goes with the Sequence."""
+    seq = Sequence(model, tokenizer, prompt_ids, params, eos_ids, max_context, show_candidates)
+    logits = prefill(model, seq)  # 1) prefill
+    while True:
+        event = seq.choose(logits)  # 2) choose + 3) detokenize and check stop rules
+        yield event
+        if event.finish_reason:
+            return
+        logits = decode_step(model, seq)  # 4) decode one token
+
+
+@torch.inference_mode()
+def reference_generate(model, prompt_ids: Seq[int], max_new_tokens: int, eos_ids: Seq[int]) -> list[int]:
+    """The article's first version: no cache, the whole sequence every step, greedy. A test oracle, not for serving."""
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    output: list[int] = []
+    for _ in range(max_new_tokens):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [1, S, H]
+        logits = model.lm_head(hidden[:, -1, :])  # [1, vocab]: last position only
+        next_id = logits.argmax(dim=-1)  # [1]
+        output.append(int(next_id.item()))
+        if output[-1] in eos_ids:
+            break
+        ids = torch.cat([ids, next_id[:, None]], dim=-1)
+    return output

@@ -1,0 +1,190 @@
+"""create_app(): the FastAPI app, its lifespan, error handling, and the process runner with graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.api import public, router
+from app.config import Settings
+from app.errors import Overloaded, ServeError
+from app.models import LoadedModel
+from app.serving import error_body
+from app.state import ServerState
+
+log = logging.getLogger("app.access")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
+    """`lm` lets tests and embedders hand in a model that is already loaded."""
+    settings = settings or Settings()
+    state = ServerState(settings, lm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(state.load())  # serve /health while the model loads
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="simple-serve", version="0.1.0", lifespan=lifespan)
+    app.state.serve = state
+    app.include_router(public)
+    app.include_router(router)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(AccessAndLimits, state=state)
+    install_error_handlers(app)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServeError)
+    async def serve_error(_: Request, err: ServeError) -> JSONResponse:
+        headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded) else None
+        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400 and names the parameter; FastAPI's default is a 422 with a list.
+        first = err.errors()[0] if err.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        else:
+            message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                       "code": "invalid_value"}}, status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(err.detail), "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+        logging.getLogger("app").exception("unhandled error")
+        return JSONResponse({"error": {"message": f"internal error: {type(err).__name__}", "type": "server_error",
+                                       "param": None, "code": None}}, status_code=500)
+
+
+class AccessAndLimits:
+    """Pure ASGI middleware: rejects oversized bodies before they are read whole, counts requests by status,
+    and writes one access line per request when its response (streamed or not) has been sent."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.settings.max_request_bytes
+        started = time.perf_counter()
+        status = {"code": 500}
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._too_large(send, limit, scope)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # chunked bodies carry no content-length
+                raise BodyTooLarge()
+            return message
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            await self._too_large(send, limit, scope)
+            status["code"] = 413
+        finally:
+            self._log(scope, status["code"], started)
+
+    async def _too_large(self, send, limit: int, scope) -> None:
+        body = json.dumps({"error": {"message": f"request body exceeds {limit} bytes", "type": "invalid_request_error",
+                                     "param": None, "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        self._log(scope, 413, time.perf_counter())
+
+    def _log(self, scope, status: int, started: float) -> None:
+        path = scope.get("path", "")
+        if path in ("/health", "/ready", "/metrics"):
+            return  # probes every few seconds would drown the log
+        self.state.metrics.requests.labels(path if path in GENERATION_PATHS else "other", str(status)).inc()
+        info = scope.get("state", {})
+        ttft = info.get("ttft_s")
+        log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),
+                 scope.get("method"), path, status, info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
+                 f" ttft={ttft:.3f}s" if ttft is not None else "", time.perf_counter() - started,
+                 extra={"cancelled": info.get("cancelled", False)})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, but SIGTERM drains first: /ready and new requests answer 503 while in-flight requests finish,
+    for at most `shutdown_grace_s`; then the server exits. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.drain_deadline: float | None = None
+        self.exit_code = 0
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_deadline is not None or sig == signal.SIGINT and self.should_exit:
+            self.should_exit = self.force_exit = True
+            return
+        logging.getLogger("app").info("signal %s: draining for up to %.0f s", sig, self.state.settings.shutdown_grace_s)
+        self.state.start_drain()
+        self.drain_deadline = time.monotonic() + self.state.settings.shutdown_grace_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.load_error:
+            self.exit_code = 1
+            return True
+        if self.drain_deadline is not None:
+            if self.state.idle or time.monotonic() >= self.drain_deadline:
+                if not self.state.idle:
+                    logging.getLogger("app").warning("grace period over with requests in flight; exiting")
+                    self.force_exit = True
+                return True
+        return await super().on_tick(counter)
+
+
+def run_server(settings: Settings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)))
+    server = GracefulServer(config, app.state.serve)
+    server.run()
+    return server.exit_code

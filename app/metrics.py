@@ -1,0 +1,34 @@
+"""Prometheus metrics. Each app gets its own registry, so tests can build many apps in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# `*_created` timestamps double the output and no dashboard uses them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "simple_serve"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests to the API, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "tokens generated", registry=r)
+        self.time_to_first_token = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                                             "from admission request to first token", buckets=LATENCY_BUCKETS,
+                                             registry=r)
+        self.inter_token_latency = Histogram(f"{PREFIX}_inter_token_latency_seconds", "gap between tokens of a stream",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.request_duration = Histogram(f"{PREFIX}_generation_duration_seconds", "submit to last token",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for a decode slot", registry=r)
+        self.active_sequences = Gauge(f"{PREFIX}_active_sequences", "sequences being decoded", registry=r)
+        self.cancellations = Counter(f"{PREFIX}_cancellations", "generations stopped because the client left",
+                                     registry=r)
+        self.finished = Counter(f"{PREFIX}_generations_finished", "generations by finish reason", ["reason"],
+                                registry=r)

@@ -1,0 +1,185 @@
+"""OpenAI wire models (pydantic). A request becomes engine parameters in exactly one place: `to_sampling_params`.
+
+Unknown fields the official SDK may send are accepted and ignored (`extra="allow"`); fields we cannot honour are
+rejected with a 400 that names them (`unsupported_fields`), rather than silently doing something else.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from app.errors import InvalidRequest
+from app.sampling import SamplingParams, resolve_sampling_params
+
+MAX_STOP_STRINGS = 16
+MAX_N = 8
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and legacy completions. Ranges are checked once, by SamplingParams."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return stop
+
+    @field_validator("n")
+    @classmethod
+    def _n_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return n
+
+    def unsupported_fields(self) -> None:
+        """Reject fields that would change the answer if we silently ignored them."""
+        extra = self.model_extra or {}
+        for name in ("tools", "functions", "audio", "prediction"):
+            if extra.get(name):
+                raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
+        if extra.get("tool_choice") not in (None, "none", "auto"):
+            raise InvalidRequest("`tool_choice` is not supported by this server", param="tool_choice")
+        if extra.get("best_of") not in (None, 1) or extra.get("echo") or extra.get("suffix"):
+            name = next(k for k in ("best_of", "echo", "suffix") if extra.get(k) not in (None, 1, False, ""))
+            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
+        response_format = extra.get("response_format")
+        if response_format is not None and (not isinstance(response_format, dict)
+                                             or response_format.get("type") != "text"):
+            raise InvalidRequest('only response_format {"type": "text"} is supported', param="response_format")
+
+    def _logprob_settings(self) -> tuple[bool, int]:
+        return False, 0
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0) -> SamplingParams:
+        """Request fields -> SamplingParams: the one place the wire format meets the engine."""
+        self.unsupported_fields()
+        logprobs, top_logprobs = self._logprob_settings()
+        fields: dict[str, Any] = {
+            "max_tokens": self._max_tokens(), "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "stop": self.stop, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs, "top_logprobs": top_logprobs,
+            # choices of one request must differ, yet stay reproducible for a fixed seed
+            "seed": None if self.seed is None else self.seed + choice_index,
+        }
+        if self.top_k == -1:  # vLLM's spelling of "disabled"
+            fields["top_k"] = 0
+        if self.logit_bias:
+            try:
+                fields["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError as err:
+                raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from err
+        return resolve_sampling_params({k: v for k, v in fields.items() if v is not None}, model_defaults)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _logprob_settings(self) -> tuple[bool, int]:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self.logprobs, self.top_logprobs or 0
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str]
+    logprobs: int | None = None  # legacy API: an int, the number of top alternatives
+
+    def _logprob_settings(self) -> tuple[bool, int]:
+        if self.logprobs is None:
+            return False, 0
+        return True, self.logprobs
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise InvalidRequest("exactly one prompt per request is supported", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

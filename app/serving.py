@@ -1,0 +1,259 @@
+"""Chat and text completions: engine events in, OpenAI-shaped JSON or SSE chunks out.
+
+The routes in api.py stay thin; this is where a request is checked against the served model, turned into
+prompt ids and SamplingParams, submitted, and where its events become the exact shapes the openai SDK expects.
+A stream that fails after the 200 ends with an SSE error event and `[DONE]`, never a torn connection; a client
+that leaves cancels its generation at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from app.engine import Engine, RequestHandle
+from app.errors import ModelNotFound, ServeError
+from app.generate import TokenEvent
+from app.models import LoadedModel
+from app.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.sampling import SamplingParams
+
+log = logging.getLogger("app.serving")
+SSE_PING_S = 15
+DISCONNECT_POLL_S = 0.2
+
+
+def error_body(err: ServeError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    handle: RequestHandle
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class CompletionServing:
+    def __init__(self, engine: Engine, lm: LoadedModel, model_id: str):
+        self.engine = engine
+        self.lm = lm
+        self.model_id = model_id
+        self.fingerprint = f"fp_{abs(hash((lm.name, str(lm.dtype)))) % 16**10:010x}"
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompt_ids = self.lm.encode_chat(body.chat_messages())
+        return await self._serve(body, request, prompt_ids, chat=True)
+
+    async def completion(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompt_ids = self.lm.encode_text(body.prompt_text())
+        return await self._serve(body, request, prompt_ids, chat=False)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
+
+    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
+        params = [body.to_sampling_params(self.lm.generation_defaults, i) for i in range(body.n)]
+        choices = self._submit(prompt_ids, params)
+        request.state.prompt_tokens = len(prompt_ids)
+        headers = {"x-sampling-params": json.dumps(params[0].effective(), ensure_ascii=True, default=str)}
+        kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        response_id = new_id(kind[0])
+        request.state.request_id = response_id
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request)
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EventSourceResponse(events, ping=SSE_PING_S, headers=headers)
+        try:
+            await self._collect(choices, request)
+        finally:
+            for choice in choices:
+                choice.handle.cancel()  # no-op when finished; frees the cache when the client left
+        record_timing(request, choices)
+        return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids)),
+                            headers=headers)
+
+    def _submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Choice]:
+        choices: list[Choice] = []
+        try:
+            for i, p in enumerate(params):
+                choices.append(Choice(i, self.engine.submit(prompt_ids, p)))
+        except ServeError:
+            for choice in choices:  # all or nothing: don't leave half of an n>1 request running
+                choice.handle.cancel()
+            raise
+        return choices
+
+    # ---- non-streaming ----
+
+    async def _collect(self, choices: list[Choice], request: Request) -> None:
+        """Gather every choice's events, and give up (cancelling them) if the client disconnects."""
+        gather = asyncio.ensure_future(asyncio.gather(*(self._drain(c) for c in choices)))
+        while not gather.done():
+            await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
+            if not gather.done() and await request.is_disconnected():
+                gather.cancel()
+                request.state.cancelled = True
+                break
+        if not gather.cancelled():
+            gather.result()  # re-raise a mid-generation failure as its HTTP error
+
+    async def _drain(self, choice: Choice) -> None:
+        async for event in choice.handle:
+            self._add(choice, event)
+
+    def _add(self, choice: Choice, event: TokenEvent) -> None:
+        choice.tokens += 1
+        choice.text.append(event.text)
+        if event.logprob is not None:
+            choice.logprobs.append(event_logprobs(self.lm.tokenizer, event))
+        choice.finish_reason = event.finish_reason or choice.finish_reason
+
+    def _full_response(self, response_id: str, obj: str, chat: bool, choices: list[Choice],
+                       prompt_tokens: int) -> dict[str, Any]:
+        completion_tokens = sum(c.tokens for c in choices)
+        out_choices = []
+        for c in choices:
+            text = "".join(c.text)
+            item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+            if chat:
+                item["message"] = {"role": "assistant", "content": text}
+                item["logprobs"] = {"content": c.logprobs} if c.handle.params.logprobs else None
+            else:
+                item["text"] = text
+                item["logprobs"] = legacy_logprobs(c.logprobs) if c.handle.params.logprobs else None
+            out_choices.append(item)
+        return {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
+                "system_fingerprint": self.fingerprint, "choices": out_choices,
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ---- streaming ----
+
+    async def _stream(self, response_id: str, obj: str, chat: bool, choices: list[Choice], prompt_tokens: int,
+                      include_usage: bool, request: Request) -> AsyncIterator[dict[str, str]]:
+        obj = obj + ".chunk" if chat else obj
+        created = now()
+
+        def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
+            body = {"id": response_id, "object": obj, "created": created, "model": self.model_id,
+                    "system_fingerprint": self.fingerprint, "choices": payload_choices, **extra}
+            return {"data": json.dumps(body, ensure_ascii=False)}
+
+        finished = False
+        try:
+            if chat:
+                for c in choices:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            async for c, event in merge_events(choices):
+                self._add(c, event)
+                if not event.text and event.finish_reason is None and event.logprob is None:
+                    continue  # an incomplete character or a possible stop string: nothing to show yet
+                logprobs = [c.logprobs[-1]] if event.logprob is not None else None
+                if chat:
+                    delta = {"content": event.text} if event.text else {}
+                    payload = {"index": c.index, "delta": delta,
+                               "logprobs": {"content": logprobs} if logprobs else None,
+                               "finish_reason": event.finish_reason}
+                else:
+                    payload = {"index": c.index, "text": event.text,
+                               "logprobs": legacy_logprobs(logprobs) if logprobs else None,
+                               "finish_reason": event.finish_reason}
+                yield chunk([payload])
+            finished = True
+            if include_usage:
+                yield chunk([], usage=usage(prompt_tokens, sum(c.tokens for c in choices)))
+        except ServeError as err:  # after the 200: tell the client in-band, then end the stream properly
+            log.warning("stream %s failed: %s", response_id, err.message)
+            yield {"data": json.dumps(error_body(err))}
+        finally:
+            if not finished:
+                for c in choices:
+                    c.handle.cancel()
+                request.state.cancelled = True
+            record_timing(request, choices)
+        yield {"data": "[DONE]"}
+
+
+async def merge_events(choices: list[Choice]) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+    """Interleave the events of several choices (n > 1) in arrival order."""
+    if len(choices) == 1:
+        async for event in choices[0].handle:
+            yield choices[0], event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for event in choice.handle:
+                await queue.put((choice, event))
+        except ServeError as err:
+            await queue.put(err)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, ServeError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def record_timing(request: Request, choices: list[Choice]) -> None:
+    """For the access log line."""
+    request.state.completion_tokens = sum(c.tokens for c in choices)
+    first = choices[0].handle
+    if first.first_token_at is not None:
+        request.state.ttft_s = first.first_token_at - first.submitted_at
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def event_logprobs(tokenizer, event: TokenEvent) -> dict[str, Any]:
+    entry = token_entry(tokenizer, event.token_id, event.logprob)
+    entry["top_logprobs"] = [token_entry(tokenizer, t, lp) for t, lp in (event.top_logprobs or [])]
+    return entry
+
+
+def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The legacy completions API's column layout."""
+    offsets, position = [], 0
+    for e in entries:
+        offsets.append(position)
+        position += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}

@@ -1,0 +1,69 @@
+"""What one server process holds: settings, metrics, and (once loaded) the model, engine and serving layer.
+
+Loading happens in the background after the server starts listening, so `/health` answers at once and `/ready`
+turns 200 only when the model is loaded and has generated a warm-up token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.config import Settings
+from app.engine import Engine
+from app.metrics import Metrics
+from app.models import LoadedModel, load_model
+from app.sampling import SamplingParams
+from app.serving import CompletionServing
+
+log = logging.getLogger("app.state")
+
+
+class ServerState:
+    def __init__(self, settings: Settings, lm: LoadedModel | None = None):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.lm = lm
+        self.engine: Engine | None = None
+        self.serving: CompletionServing | None = None
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+
+    async def load(self) -> None:
+        s = self.settings
+        try:
+            if self.lm is None:
+                log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
+                self.lm = await asyncio.to_thread(load_model, s.model, s.device, s.dtype, s.model_cache,
+                                                  s.max_model_len)
+            self.engine = Engine(self.lm, s.max_active, s.max_queue, self.metrics)
+            self.engine.start()
+            self.serving = CompletionServing(self.engine, self.lm, s.model_id)
+            await self._warm_up()
+        except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
+            self.load_error = f"{type(err).__name__}: {err}"
+            log.error("model failed to load: %s", self.load_error)
+            return
+        self.ready = True
+        log.info("ready: %s on %s (%s), context %d tokens", s.model_id, self.lm.device, self.lm.dtype,
+                 self.lm.max_context)
+
+    async def _warm_up(self) -> None:
+        """One short greedy generation, so the first real request does not pay for lazy initialisation."""
+        handle = self.engine.submit(self.lm.encode_text("Hello"), SamplingParams(max_tokens=2, do_sample=False))
+        async for _ in handle:
+            pass
+
+    def start_drain(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            self.engine.draining = True
+
+    @property
+    def idle(self) -> bool:
+        return self.engine is None or self.engine.in_flight == 0
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()

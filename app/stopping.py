@@ -1,0 +1,56 @@
+"""When a sequence ends: an EOS id, the token budget, or a stop string.
+
+Stop strings are matched on text, not tokens, because a string like "\n\n" can be split across tokens in many ways.
+`StopStringFilter` holds back any tail of the text that could still grow into a stop string, so a client never sees
+the start of a stop string that later completes (litgpt and vLLM do the same).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def token_finish_reason(token_id: int, n_generated: int, max_tokens: int, eos_ids: frozenset[int],
+                        min_tokens: int = 0, ignore_eos: bool = False) -> str | None:
+    """`n_generated` counts this token. EOS gives "stop"; running out of budget gives "length"."""
+    if token_id in eos_ids and not ignore_eos and n_generated >= min_tokens:
+        return "stop"
+    if n_generated >= max_tokens:
+        return "length"
+    return None
+
+
+class StopStringFilter:
+    """Feeds on text deltas; returns the part that is safe to show and whether a stop string matched."""
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = tuple(stops)
+        self.pending = ""  # text that could still be the start of a stop string
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        # The stop that completes first wins (generation stops right there), whatever the token split: with stops
+        # "abcd" and "c", the text "abcd" shows "ab" whether it arrives as "abc"+"d" or in one piece. Among stops that
+        # complete at the same character the earliest start wins: "xab" with stops "b" and "ab" shows "x".
+        matches = [(i + len(s), i) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if matches:
+            safe, self.pending = self.pending[: min(matches)[1]], ""
+            return safe, True
+        hold = self._longest_tail_that_starts_a_stop()
+        safe, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return safe, False
+
+    def flush(self) -> str:
+        """At the end of generation the held tail never became a stop string, so it is real output."""
+        rest, self.pending = self.pending, ""
+        return rest
+
+    def _longest_tail_that_starts_a_stop(self) -> int:
+        longest = min(len(self.pending), max(len(s) for s in self.stops) - 1)
+        for k in range(longest, 0, -1):
+            tail = self.pending[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0

@@ -1,0 +1,147 @@
+"""Shared fixtures: a tiny random model with a real byte-level BPE tokenizer (built here, in seconds, offline),
+the real embedded models (fetched by `make setup`), and a real uvicorn server on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from app.config import Settings
+from app.fetch import fetch_model
+from app.models import LoadedModel, load_model
+
+MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
+CORPUS = [
+    "The capital of France is Paris. Paris is a city on the Seine.",
+    "def reverse(s):\n    return s[::-1]\n\nprint(reverse('hello world'))",
+    "北京是中国的首都。上海是一个大城市。你好，世界！",
+    "Emoji are fun: 😀 🎉 🚀 and so is café, naïve, and façade.",
+    "Stop strings like ### or <END> or \n\n end a generation early.",
+] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE small enough that Chinese characters and emoji span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = config_class(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; sharpen them so greedy ties cannot make comparisons flaky.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_tokenizer) -> LoadedModel:
+    model = build_tiny_model(len(tiny_tokenizer))
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return LoadedModel(model=model, tokenizer=tiny_tokenizer, name="tiny", max_context=256, eos_ids=(im_end,),
+                       generation_defaults={"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8,
+                                            "repetition_penalty": 1.1})
+
+
+def _real(name: str, dtype: str) -> LoadedModel:
+    return load_model(str(fetch_model(name, MODEL_CACHE)), device="cpu", dtype=dtype)
+
+
+@pytest.fixture(scope="session")
+def qwen_fp32() -> LoadedModel:
+    return _real("qwen2.5-coder-0.5b-instruct", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32() -> LoadedModel:
+    return _real("smollm2-135m-instruct", "float32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """A real uvicorn server on a loopback port, in a background thread of the test process."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def state(self):
+        return self.app.state.serve
+
+
+@pytest.fixture
+def make_tiny_server(tiny_lm):
+    """Build a server around the tiny model with the given settings; closed at the end of the test."""
+    from app.main import create_app
+
+    servers: list[ThreadServer] = []
+
+    def make(**settings) -> ThreadServer:
+        app = create_app(Settings(model="tiny", **settings), lm=tiny_lm)
+        servers.append(ThreadServer(app).__enter__())
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.__exit__()

@@ -1,0 +1,198 @@
+"""The HTTP surface on the tiny model, over a real socket: response shapes, streaming, errors, auth, limits."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(**extra):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+            "temperature": 0, "max_tokens": 12, "ignore_eos": True, **extra}
+
+
+def sse_payloads(response: httpx.Response) -> list:
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_shape_and_stream_equals_non_stream(make_tiny_server):
+    server = make_tiny_server()
+    full = httpx.post(server.url + CHAT, json=chat_body()).json()
+    assert full["id"].startswith("chatcmpl-") and full["object"] == "chat.completion"
+    assert full["model"] == "tiny" and full["system_fingerprint"].startswith("fp_")
+    choice = full["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == 12
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + 12
+
+    with httpx.stream("POST", server.url + CHAT,
+                      json=chat_body(stream=True, stream_options={"include_usage": True})) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-accel-buffering"] == "no"
+        chunks = sse_payloads(r)
+    assert chunks[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-2])
+    assert text == choice["message"]["content"]
+    assert chunks[-3]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"] == full["usage"]
+
+
+def test_openai_sdk_sync_and_stream(make_tiny_server):
+    server = make_tiny_server()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    body = chat_body()
+    extra = {"ignore_eos": body.pop("ignore_eos")}  # vLLM-style fields travel in the SDK's extra_body
+    full = client.chat.completions.create(**body, extra_body=extra)
+    stream = client.chat.completions.create(**body, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
+
+
+def test_effective_sampling_params_header(make_tiny_server):
+    server = make_tiny_server()
+    r = httpx.post(server.url + CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 2, "top_k": 5})
+    effective = json.loads(r.headers["x-sampling-params"])
+    # request overrides the model's generation config, which fills in the rest
+    assert effective["top_k"] == 5 and effective["temperature"] == 0.7 and effective["top_p"] == 0.8
+    assert effective["repetition_penalty"] == 1.1
+
+
+def test_n_choices_and_seed(make_tiny_server):
+    server = make_tiny_server()
+    body = chat_body(n=3, temperature=1.5, seed=42)
+    a = httpx.post(server.url + CHAT, json=body).json()
+    b = httpx.post(server.url + CHAT, json=body).json()
+    texts = [c["message"]["content"] for c in a["choices"]]
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert texts == [c["message"]["content"] for c in b["choices"]], "same seed, same answers"
+    assert len(set(texts)) > 1, "choices of one request differ"
+    assert a["usage"]["completion_tokens"] == 36
+    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}) as r:
+        chunks = [c for c in sse_payloads(r) if c != "[DONE]"]
+    for i, text in enumerate(texts):
+        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                           if c["choices"][0]["index"] == i)
+        assert streamed == text
+
+
+def test_logprobs(make_tiny_server):
+    server = make_tiny_server()
+    r = httpx.post(server.url + CHAT, json=chat_body(max_tokens=4, logprobs=True, top_logprobs=2)).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+
+
+def test_legacy_completions(make_tiny_server):
+    server = make_tiny_server()
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"model": "tiny", "prompt": "The capital of France", "max_tokens": 5, "temperature": 0,
+                         "ignore_eos": True, "logprobs": 1}).json()
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == 5
+
+
+def test_tokenize_detokenize_roundtrip(make_tiny_server):
+    server = make_tiny_server()
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "北京 Paris 😀"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "北京 Paris 😀"
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_api_key(make_tiny_server):
+    server = make_tiny_server(api_key="s3cret")
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = httpx.post(server.url + CHAT, json=chat_body(), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    ok = httpx.post(server.url + CHAT, json=chat_body(), headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_body_limit_and_cors(make_tiny_server):
+    server = make_tiny_server(max_request_bytes=4096, cors_origins=["https://app.example"])
+    big = chat_body(messages=[{"role": "user", "content": "x" * 10_000}])
+    r = httpx.post(server.url + CHAT, json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    preflight = httpx.options(server.url + CHAT, headers={"Origin": "https://app.example",
+                                                          "Access-Control-Request-Method": "POST"})
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
+    import app.engine as engine_module
+
+    real = engine_module.decode_step
+    monkeypatch.setattr(engine_module, "decode_step", lambda m, s: (time.sleep(0.02), real(m, s))[1])
+    server = make_tiny_server(max_active=1, max_queue=0)
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as first:
+        lines = first.iter_lines()
+        next(lines)  # the first request holds the only slot
+        r = httpx.post(server.url + CHAT, json=chat_body())
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines
+                  if line.startswith("data: {")]
+    assert finish[-1] == "length", "the admitted stream is unaffected"
+
+
+def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkeypatch):
+    server = make_tiny_server()
+    import app.engine as engine_module
+
+    calls = {"n": 0}
+    real = engine_module.decode_step
+
+    def flaky(model, seq):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return real(model, seq)
+
+    monkeypatch.setattr(engine_module, "decode_step", flaky)
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True)) as r:
+        assert r.status_code == 200
+        chunks = sse_payloads(r)
+    assert chunks[-1] == "[DONE]"
+    assert "simulated device failure" in chunks[-2]["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.post(server.url + CHAT, json=chat_body()).status_code == 200
+
+
+def test_metrics_exposed(make_tiny_server):
+    server = make_tiny_server()
+    httpx.post(server.url + CHAT, json=chat_body())
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("simple_serve_requests_total", "simple_serve_prompt_tokens_total",
+                 "simple_serve_completion_tokens_total", "simple_serve_time_to_first_token_seconds_bucket",
+                 "simple_serve_inter_token_latency_seconds_bucket", "simple_serve_queue_depth",
+                 "simple_serve_active_sequences", "simple_serve_cancellations_total"):
+        assert name in text
+    assert 'simple_serve_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+
