@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (best is reported)")
+    parser.add_argument("--kv-streams", type=int, default=8, help="sequences for the KV-memory check (0 skips it)")
+    parser.add_argument("--kv-tokens", type=int, default=1024, help="prompt tokens per sequence in that check")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
 
 
@@ -59,7 +61,7 @@ def time_our_loop(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float, fl
     event = seq.choose(prefill(lm.model, seq))
     first = time.perf_counter()
     while not event.finish_reason:
-        event = seq.choose(decode_step(lm.model, seq))
+        event = seq.choose(decode_step(lm.model, [seq]))
     end = time.perf_counter()
     return first - start, (max_tokens - 1) / (end - first)
 
@@ -105,12 +107,30 @@ def run(args: argparse.Namespace) -> dict:
         "hf_generate_ttft_s": statistics.median(t for t, _ in theirs),
     }
     result["ours_vs_hf"] = result["ours_tokens_per_s"] / result["hf_generate_tokens_per_s"]
+    if args.kv_streams:
+        result.update(measure_kv_memory(lm, args.kv_streams, args.kv_tokens, kv_bytes_per_token))
     result["ours_vs_floor"] = result["ours_tokens_per_s"] / floor
     print_report(result)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def measure_kv_memory(lm, streams: int, tokens: int, kv_bytes_per_token: int) -> dict[str, float]:
+    """Prefill `streams` requests of `tokens` tokens and add up what their caches actually hold."""
+    params = SamplingParams(max_tokens=1, do_sample=False)
+    seqs = []
+    for i in range(streams):
+        ids = [(i * 7919 + j * 104729) % (lm.vocab_size - 1000) + 500 for j in range(tokens)]  # varied, valid
+        seq = Sequence(lm.model, lm.tokenizer, ids, params, lm.eos_ids, lm.max_context)
+        prefill(lm.model, seq, chunk_size=512)
+        seqs.append(seq)
+    held = sum(t.numel() * t.element_size() for s in seqs for layer in s.cache.layers
+               for t in (layer.keys, layer.values))
+    theory = streams * tokens * kv_bytes_per_token
+    return {"kv_streams": streams, "kv_tokens_each": tokens, "kv_bytes_held": held, "kv_bytes_theory": theory,
+            "kv_overhead": held / theory - 1}
 
 
 def measure_gpu_bandwidth(n_bytes: int = 4 << 30) -> dict[str, float]:
@@ -139,3 +159,6 @@ def print_report(r: dict) -> None:
     print(f"{'our loop':22}{r['ours_tokens_per_s']:>14.2f}{r['ours_ttft_s']:>10.3f}")
     print(f"{'model.generate()':22}{r['hf_generate_tokens_per_s']:>14.2f}{r['hf_generate_ttft_s']:>10.3f}")
     print(f"ours / generate(): {r['ours_vs_hf']:.2f}x   ours / floor: {r['ours_vs_floor']:.0%}")
+    if "kv_bytes_held" in r:
+        print(f"KV cache, {r['kv_streams']} streams x {r['kv_tokens_each']} tokens: {r['kv_bytes_held'] / 2**20:.1f} MiB "
+              f"held vs {r['kv_bytes_theory'] / 2**20:.1f} MiB theory ({r['kv_overhead']:+.1%})")

@@ -4,10 +4,10 @@ The asyncio event loop never runs model code. It calls `submit()`, which validat
 returns a `RequestHandle` to iterate; the worker thread does all prefill and decode work and hands each token
 event back to the event loop with `call_soon_threadsafe`.
 
-Scheduling: every step advances each active sequence by one token, and newly admitted sequences are prefilled at
-the start of a step. A long generation therefore never holds back another request's first token by more than one
-step. `_step` is the only place that decides what runs together, so batching decode steps (one forward pass for
-all running sequences) changes `_step` alone.
+Scheduling: every step first prefills newly admitted requests (in chunks, a bounded number of prompt tokens per
+step), then advances every running request by one token in a single batched forward pass. A long generation
+therefore never holds back another request's first token by more than one step, and N streams cost about one
+weight read per step instead of N. `_step` is the only place that decides what runs together.
 
 Backpressure: at most `max_active` sequences decode at once and at most `max_queue` wait; past that, `submit`
 raises `Overloaded` at once, so memory never grows without bound.
@@ -27,6 +27,7 @@ from typing import AsyncIterator
 import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
+from app.batching import can_batch
 from app.generate import Sequence, TokenEvent, check_request, decode_step, prefill
 from app.metrics import Metrics
 from app.models import LoadedModel
@@ -34,6 +35,9 @@ from app.sampling import SamplingParams
 
 log = logging.getLogger("app.engine")
 _DONE = object()
+# Prompt tokens prefilled per engine step. Bounds how long running streams wait for a newcomer's prefill
+# (about one forward pass of this many tokens) while keeping long prompts efficient.
+PREFILL_TOKENS_PER_STEP = 512
 
 
 class GenerationFailed(ServeError):
@@ -77,6 +81,7 @@ class Engine:
         self.max_active = max_active
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
+        self.batch_decode = can_batch(lm.model.config)
         self.draining = False
         self._waiting: deque[RequestHandle] = deque()
         self._active: list[tuple[RequestHandle, Sequence | None]] = []  # None: admitted, not yet prefilled
@@ -147,29 +152,54 @@ class Engine:
             self.metrics.cancellations.inc()
 
     def _step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
-        """Advance every active request by one token: prefill the new ones, decode the rest."""
+        """One engine step: prefill new requests (at most PREFILL_TOKENS_PER_STEP prompt tokens, in chunks, so a
+        long prompt never stalls running streams for long), then one decode pass for every running request."""
+        model, budget, running = self.lm.model, PREFILL_TOKENS_PER_STEP, []
         for handle, seq in batch:
             if handle.cancelled.is_set():
                 continue  # dropped at the next step's start
+            if seq is not None and not seq.prefilling:
+                running.append((handle, seq))
+                continue
+            if budget <= 0:
+                continue
             try:
                 if seq is None:
-                    seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params,
-                                   self.lm.eos_ids, self.lm.max_context)
-                    logits = prefill(self.lm.model, seq)
-                    self.metrics.prompt_tokens.inc(seq.prompt_len)
+                    seq = Sequence(model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
+                                   self.lm.max_context)
                     self._replace(handle, seq)
-                else:
-                    logits = decode_step(self.lm.model, seq)
-                event = seq.choose(logits)
+                chunk = min(budget, seq.prompt_len - seq.cache.get_seq_length())
+                budget -= chunk
+                logits = prefill(model, seq, chunk)
+                if logits is not None:  # the whole prompt is in the cache: its first token
+                    self.metrics.prompt_tokens.inc(seq.prompt_len)
+                    self._emit(handle, seq.choose(logits))
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
-                log.exception("generation failed for %s", handle.request_id)
-                self._finish(handle, GenerationFailed(f"generation failed: {type(err).__name__}: {err}"))
+                self._fail([handle], err)
+        if not running:
+            return
+        groups = [running] if self.batch_decode else [[entry] for entry in running]
+        for group in groups:
+            try:
+                logits = decode_step(model, [seq for _, seq in group])  # [B, vocab], one forward pass
+                events = [seq.choose(logits[i : i + 1]) for i, (_, seq) in enumerate(group)]
+            except Exception as err:  # noqa: BLE001
+                self._fail([handle for handle, _ in group], err)
                 continue
-            self._record(handle, event)
-            handle._deliver(event)
-            if event.finish_reason:
-                self.metrics.finished.labels(event.finish_reason).inc()
-                self._finish(handle, _DONE)
+            for (handle, _), event in zip(group, events):
+                self._emit(handle, event)
+
+    def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
+        self._record(handle, event)
+        handle._deliver(event)
+        if event.finish_reason:
+            self.metrics.finished.labels(event.finish_reason).inc()
+            self._finish(handle, _DONE)
+
+    def _fail(self, handles: list[RequestHandle], err: Exception) -> None:
+        log.error("generation failed for %s: %r", [h.request_id for h in handles], err)
+        for handle in handles:
+            self._finish(handle, GenerationFailed(f"generation failed: {type(err).__name__}: {err}"))
 
     def _replace(self, handle: RequestHandle, seq: Sequence) -> None:
         with self._wake:

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from transformers import DynamicCache
 
+from app.batching import BatchedCacheView
 from app.detokenize import IncrementalDetokenizer
 from app.errors import InvalidRequest
 from app.sampling import SamplingParams, make_generator, process_logits, sample
@@ -80,6 +81,10 @@ class Sequence:
         return self.length - self.prompt_len
 
     @property
+    def prefilling(self) -> bool:
+        return self.cache.get_seq_length() < self.prompt_len
+
+    @property
     def last_token(self) -> torch.Tensor:
         return self.token_ids[:, self.length - 1 : self.length]  # [1, 1]
 
@@ -123,19 +128,34 @@ class Sequence:
 
 
 @torch.inference_mode()
-def prefill(model, seq: Sequence) -> torch.Tensor:
-    """Run the whole prompt once; return float32 logits [1, vocab] for the next token only."""
-    input_ids = seq.token_ids[:, : seq.length]  # [1, S]
-    positions = torch.arange(seq.length, device=input_ids.device)[None, :]  # [1, S]
+def prefill(model, seq: Sequence, chunk_size: int | None = None) -> torch.Tensor | None:
+    """Run the prompt (or its next `chunk_size` tokens) into the cache; once all of it is in, return float32
+    logits [1, vocab] for the next token only. Chunks let the engine keep other streams decoding meanwhile."""
+    start = seq.cache.get_seq_length()
+    end = seq.prompt_len if chunk_size is None else min(seq.prompt_len, start + chunk_size)
+    input_ids = seq.token_ids[:, start:end]  # [1, S]
+    positions = torch.arange(start, end, device=input_ids.device)[None, :]  # [1, S]
     hidden = model.model(input_ids=input_ids, position_ids=positions, cache=seq.cache, use_cache=True)
+    if end < seq.prompt_len:
+        return None
     return model.lm_head(hidden.last_hidden_state[:, -1:, :])[:, -1, :].float()
 
 
 @torch.inference_mode()
-def decode_step(model, seq: Sequence) -> torch.Tensor:
-    """Feed only the newest token at its position; the cache holds everything before it."""
-    position = torch.tensor([[seq.length - 1]], device=seq.token_ids.device)  # [1, 1]
-    hidden = model.model(input_ids=seq.last_token, position_ids=position, cache=seq.cache, use_cache=True)
+def decode_step(model, seqs: list[Sequence]) -> torch.Tensor:
+    """Feed only each sequence's newest token at its position -> float32 logits [B, vocab].
+
+    One sequence uses its own cache directly (the article's loop); several share one forward pass through a
+    BatchedCacheView that writes each row back into its owner's cache (see app/batching.py).
+    """
+    input_ids = torch.cat([s.last_token for s in seqs])  # [B, 1]
+    positions = torch.tensor([[s.length - 1] for s in seqs], device=input_ids.device)  # [B, 1]
+    if len(seqs) == 1:
+        hidden = model.model(input_ids=input_ids, position_ids=positions, cache=seqs[0].cache, use_cache=True)
+    else:
+        view = BatchedCacheView([s.cache for s in seqs], model.dtype, input_ids.device)
+        hidden = model.model(input_ids=input_ids, position_ids=positions, cache=view, use_cache=True,
+                             attention_mask=view.attention_mask)
     return model.lm_head(hidden.last_hidden_state)[:, -1, :].float()
 
 
@@ -149,7 +169,7 @@ def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos
         yield event
         if event.finish_reason:
             return
-        logits = decode_step(model, seq)  # 4) decode one token
+        logits = decode_step(model, [seq])  # 4) decode: feed only the new token
 
 
 @torch.inference_mode()

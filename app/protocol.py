@@ -86,9 +86,11 @@ class _SamplingFields(BaseModel):
                 raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
         if extra.get("tool_choice") not in (None, "none", "auto"):
             raise InvalidRequest("`tool_choice` is not supported by this server", param="tool_choice")
-        if extra.get("best_of") not in (None, 1) or extra.get("echo") or extra.get("suffix"):
-            name = next(k for k in ("best_of", "echo", "suffix") if extra.get(k) not in (None, 1, False, ""))
-            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
+        # (`True in (None, 1)` holds in Python, so `echo: true` needs its own test, not a shared "unset" tuple)
+        for name, used in (("best_of", extra.get("best_of") not in (None, 1)), ("echo", bool(extra.get("echo"))),
+                           ("suffix", bool(extra.get("suffix")))):
+            if used:
+                raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
         response_format = extra.get("response_format")
         if response_format is not None and (not isinstance(response_format, dict)
                                              or response_format.get("type") != "text"):

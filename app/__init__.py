@@ -1,0 +1,1 @@
+"""simple-serve: an OpenAI-compatible server around a readable, exact decode loop."""
