@@ -124,7 +124,8 @@ def measure_kv_memory(lm, streams: int, tokens: int, kv_bytes_per_token: int) ->
     for i in range(streams):
         ids = [(i * 7919 + j * 104729) % (lm.vocab_size - 1000) + 500 for j in range(tokens)]  # varied, valid
         seq = Sequence(lm.model, lm.tokenizer, ids, params, lm.eos_ids, lm.max_context)
-        prefill(lm.model, seq, chunk_size=512)
+        while prefill(lm.model, seq, chunk_size=512) is None:  # chunked, as the engine does
+            pass
         seqs.append(seq)
     held = sum(t.numel() * t.element_size() for s in seqs for layer in s.cache.layers
                for t in (layer.keys, layer.values))

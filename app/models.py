@@ -76,21 +76,25 @@ def _fastest_cpu_dtype(hidden_size: int) -> torch.dtype:
     bf16 reads half the bytes, which wins wherever the CPU has native bf16 dot products (measured about 2x here);
     on CPUs without them the conversion cost can make fp32 faster.
     """
+    # Rows enough for ~64 MB of fp32 weights: bigger than the CPU caches, so the probe is memory-bound
+    # like a real decode step (a cache-resident probe would time arithmetic and wrongly favour fp32).
+    rows = max(4 * hidden_size, (64 << 20) // (4 * hidden_size))
+
     def seconds(dtype: torch.dtype) -> float:
-        x = torch.randn(1, hidden_size, dtype=dtype)
-        w = torch.randn(hidden_size * 4, hidden_size, dtype=dtype)
+        x = torch.ones(1, hidden_size, dtype=dtype)
+        w = torch.full((rows, hidden_size), 0.01, dtype=dtype)
         torch.nn.functional.linear(x, w)  # warm-up
         best = float("inf")
         for _ in range(5):  # the best of several, so a busy neighbour does not decide the dtype
             start = time.perf_counter()
-            for _ in range(10):
+            for _ in range(4):
                 torch.nn.functional.linear(x, w)
             best = min(best, time.perf_counter() - start)
-        return best
+        return best / 4
 
     bf16, fp32 = seconds(torch.bfloat16), seconds(torch.float32)
     chosen = torch.bfloat16 if bf16 < fp32 else torch.float32
-    log.info("dtype=auto on cpu: bf16 %.2f ms, fp32 %.2f ms per probe; chose %s", bf16 * 100, fp32 * 100, chosen)
+    log.info("dtype=auto on cpu: bf16 %.2f ms, fp32 %.2f ms per probe; chose %s", bf16 * 1e3, fp32 * 1e3, chosen)
     return chosen
 
 

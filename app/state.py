@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from app.config import Settings
 from app.engine import Engine
@@ -35,10 +36,14 @@ class ServerState:
         try:
             if self.lm is None:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
-                self.lm = await asyncio.to_thread(load_model, s.model, s.device, s.dtype, s.model_cache,
-                                                  s.max_model_len)
-            self.engine = Engine(self.lm, s.max_active, s.max_queue, self.metrics)
+            # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
+            loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len)
+            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics)
             self.engine.start()
+            await asyncio.to_thread(self.engine.loaded.wait)
+            if self.engine.load_error is not None:
+                raise self.engine.load_error
+            self.lm = self.engine.lm
             self.serving = CompletionServing(self.engine, self.lm, s.model_id)
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
