@@ -1,55 +1,126 @@
-"""One forward pass for many requests' decode steps, while each request keeps owning its own DynamicCache.
+"""Many requests in one forward pass, while each request keeps owning its own DynamicCache.
 
-Every request's cache stays a plain `DynamicCache` (so a request can be cancelled, finished or prefilled alone).
-For a batched decode step we hand the model a `BatchedCacheView`: when a layer stores its new keys and values,
-the view appends row i to request i's own cache, then returns all rows' keys and values left-padded to the
-longest, together with a mask that hides the padding. The padded copy costs about one extra read of the KV
-cache per step, which at these context lengths is small next to reading the weights; in exchange there is no
-shared block allocator to manage, and the single-request path stays the article's loop.
+The engine packs every active request's next tokens into one row: a decode token for each running request and a
+prefill chunk for each new one, `[1, T_total]`, each with its own absolute position ids. The weights are read once
+for all of them, which is the whole point at small batch sizes, where decoding is bound by memory bandwidth.
 
-Padding sits on the left so every row's new token is the last position; RoPE positions come from each
-request's own length (position_ids), so padding never shifts them.
+Two pieces make the HF model accept such a row without touching its code:
+- `PackedCaches` stands in for the cache. When a layer stores the new keys and values, it splits them by request,
+  appends each slice to that request's own DynamicCache, and hands back the per-request keys and values.
+- `packed_attention` is registered as an attention implementation. For a packed call it attends each request's
+  queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
+  is why batched greedy output equals solo output). For any other call it simply is HF's SDPA.
+
+Nothing is padded, so no compute is spent on padding and no mask can leak one request into another.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED = "simple_serve_packed"
 
 
-def can_batch(config: Any) -> bool:
-    """The padding mask below is a full-attention mask; sliding-window layers would need their own."""
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return all(kind == "full_attention" for kind in layer_types)
+@dataclass
+class PerRequest:
+    """One layer's keys (or values) for each request, and where each request's queries sit in the packed row."""
+
+    tensors: list[torch.Tensor]  # [1, kv_heads, cached_len_i, head_dim] each
+    spans: list[tuple[int, int]]
 
 
-class BatchedCacheView:
-    """Quacks like a transformers Cache for one decode step over several requests' caches."""
+class PackedCaches:
+    """Quacks like a transformers Cache for one packed forward pass."""
 
     is_compileable = False
 
-    def __init__(self, caches: Sequence[DynamicCache], dtype: torch.dtype, device: torch.device):
+    def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]]):
         self.caches = list(caches)
-        lengths = [cache.get_seq_length() + 1 for cache in caches]  # after this step's token is stored
-        self.lengths = lengths
-        self.width = max(lengths)
-        # additive mask [B, 1, 1, width]: 0 where a row has a real key, the dtype's minimum over its left padding
-        pad = torch.arange(self.width, device=device)[None, :] < (self.width - torch.tensor(lengths, device=device))[:, None]
-        self.attention_mask = torch.zeros(len(caches), 1, 1, self.width, dtype=dtype, device=device).masked_fill(
-            pad[:, None, None, :], torch.finfo(dtype).min)
+        self.spans = spans
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key_states, value_states: [B, kv_heads, 1, head_dim] -> padded [B, kv_heads, width, head_dim]."""
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(batch, heads, self.width, dim)
-        values = value_states.new_zeros(batch, heads, self.width, dim)
-        for i, cache in enumerate(self.caches):
-            k, v = cache.update(key_states[i : i + 1], value_states[i : i + 1], layer_idx)
-            keys[i, :, self.width - k.shape[-2] :] = k[0]
-            values[i, :, self.width - v.shape[-2] :] = v[0]
-        return keys, values
+        """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
+        keys, values = [], []
+        for cache, (start, end) in zip(self.caches, self.spans):
+            k, v = cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return PerRequest(keys, self.spans), PerRequest(values, self.spans)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.width - 1
+        return 0  # never consulted: the caller passes explicit position ids and its own mask
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """query: [1, heads, T_total, head_dim]. Each request attends only to its own keys."""
+    if not isinstance(key, PerRequest):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T_total, heads, head_dim]
+    decoding = [i for i, (start, end) in enumerate(key.spans) if end - start == 1]
+    if decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
+        rows = torch.tensor([key.spans[i][0] for i in decoding], device=query.device)
+        q = query[0, :, rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
+        k, v, mask = _left_padded([key.tensors[i] for i in decoding], [value.tensors[i] for i in decoding],
+                                  query.dtype)
+        o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)  # [B, 1, heads, d]
+        out[0, rows] = o[:, 0]
+    for i, (start, end) in enumerate(key.spans):
+        if end - start == 1:
+            continue
+        k, v = key.tensors[i], value.tensors[i]
+        n, total = end - start, k.shape[-2]
+        # No earlier cache: exactly what a solo prefill passes (no mask, causal). A later chunk sees its past
+        # plus a causal block over itself, as HF's own mask would say.
+        mask = None if n == total else torch.ones(n, total, dtype=torch.bool, device=query.device).tril(total - n)
+        o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, None if mask is None else mask[None, None],
+                                      dropout=dropout, scaling=scaling)
+        out[:, start:end] = o
+    return out, None
+
+
+def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype):
+    """[1, kv_heads, len_i, d] each -> [B, kv_heads, width, d] and an additive mask [B, 1, 1, width]."""
+    width = max(k.shape[-2] for k in keys)
+    _, heads, _, dim = keys[0].shape
+    k_out = keys[0].new_zeros(len(keys), heads, width, dim)
+    v_out = values[0].new_zeros(len(keys), heads, width, dim)
+    mask = keys[0].new_zeros(len(keys), 1, 1, width, dtype=dtype)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        pad = width - k.shape[-2]
+        k_out[i, :, pad:], v_out[i, :, pad:] = k[0], v[0]
+        mask[i, ..., :pad] = torch.finfo(dtype).min
+    return k_out, v_out, mask
+
+
+AttentionInterface.register(PACKED, packed_attention)
+AttentionMaskInterface.register(PACKED, sdpa_mask)  # solo calls get exactly the masks SDPA would get
+
+
+def enable_packed_batching(model) -> bool:
+    """Switch an SDPA model to `packed_attention` (identical for solo calls). False: keep one request per pass."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if config._attn_implementation not in ("sdpa", PACKED) or any(t != "full_attention" for t in layer_types):
+        return False  # sliding windows or another kernel would need their own per-request rule
+    model.set_attn_implementation(PACKED)
+    return True
+
+
+def packed_inputs(items: Sequence[tuple[torch.Tensor, int]], device: torch.device) -> dict[str, Any]:
+    """items: (token ids [n_i], first position) per request -> model inputs for one packed row."""
+    ids = torch.cat([tokens for tokens, _ in items])[None, :]  # [1, T_total]
+    positions = torch.cat([torch.arange(start, start + len(tokens), device=device) for tokens, start in items])
+    spans, offset = [], 0
+    for tokens, _ in items:
+        spans.append((offset, offset + len(tokens)))
+        offset += len(tokens)
+    # A ready-made 4D mask makes transformers skip building its own; packed_attention makes per-request masks.
+    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    return {"input_ids": ids, "position_ids": positions[None, :], "spans": spans, "attention_mask": placeholder_mask}

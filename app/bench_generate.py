@@ -61,7 +61,7 @@ def time_our_loop(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float, fl
     event = seq.choose(prefill(lm.model, seq))
     first = time.perf_counter()
     while not event.finish_reason:
-        event = seq.choose(decode_step(lm.model, [seq]))
+        event = seq.choose(decode_step(lm.model, seq))
     end = time.perf_counter()
     return first - start, (max_tokens - 1) / (end - first)
 

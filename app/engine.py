@@ -27,8 +27,8 @@ from typing import AsyncIterator, Callable
 import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
-from app.batching import can_batch
-from app.generate import Sequence, TokenEvent, check_request, decode_step, prefill
+from app.batching import enable_packed_batching
+from app.generate import Sequence, TokenEvent, check_request, decode_step, forward_many, prefill
 from app.metrics import Metrics
 from app.models import LoadedModel
 from app.sampling import SamplingParams
@@ -139,7 +139,7 @@ class Engine:
         torch.set_grad_enabled(False)
         try:
             self.lm = self._load()
-            self.batch_decode = can_batch(self.lm.model.config)
+            self.batch_decode = enable_packed_batching(self.lm.model)
         except BaseException as err:  # noqa: BLE001 - reported to whoever waits on `loaded`
             self.load_error = err
             return
@@ -171,42 +171,50 @@ class Engine:
             self.metrics.cancellations.inc()
 
     def _step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
-        """One engine step: prefill new requests (at most PREFILL_TOKENS_PER_STEP prompt tokens, in chunks, so a
-        long prompt never stalls running streams for long), then one decode pass for every running request."""
-        model, budget, running = self.lm.model, PREFILL_TOKENS_PER_STEP, []
+        """One engine step: the next prefill chunk of new requests (at most PREFILL_TOKENS_PER_STEP prompt tokens,
+        so a long prompt never stalls running streams for long) and one token for every running request, all in
+        one forward pass when the model allows it."""
+        model, budget, work = self.lm.model, PREFILL_TOKENS_PER_STEP, []
         for handle, seq in batch:
             if handle.cancelled.is_set():
                 continue  # dropped at the next step's start
-            if seq is not None and not seq.prefilling:
-                running.append((handle, seq))
-                continue
-            if budget <= 0:
-                continue
-            try:
-                if seq is None:
+            if seq is None:
+                try:
                     seq = Sequence(model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
                                    self.lm.max_context)
-                    self._replace(handle, seq)
-                chunk = min(budget, seq.prompt_len - seq.cache.get_seq_length())
-                budget -= chunk
-                logits = prefill(model, seq, chunk)
-                if logits is not None:  # the whole prompt is in the cache: its first token
-                    self.metrics.prompt_tokens.inc(seq.prompt_len)
-                    self._emit(handle, seq.choose(logits))
-            except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
-                self._fail([handle], err)
-        if not running:
-            return
-        groups = [running] if self.batch_decode else [[entry] for entry in running]
+                except Exception as err:  # noqa: BLE001
+                    self._fail([handle], err)
+                    continue
+                self._replace(handle, seq)
+            n = 1
+            if seq.prefilling:
+                n = min(budget, seq.prompt_len - seq.cache.get_seq_length())
+                if n <= 0:
+                    continue  # this step's prefill budget is spent; its turn comes next step
+                budget -= n
+            work.append((handle, seq, n))
+        groups = [work] if self.batch_decode and work else [[entry] for entry in work]
         for group in groups:
             try:
-                logits = decode_step(model, [seq for _, seq in group])  # [B, vocab], one forward pass
-                events = [seq.choose(logits[i : i + 1]) for i, (_, seq) in enumerate(group)]
-            except Exception as err:  # noqa: BLE001
-                self._fail([handle for handle, _ in group], err)
+                logits = self._forward(group)  # [len(group), vocab]
+                events = []
+                for row, (handle, seq, _) in enumerate(group):
+                    if seq.prefilling:
+                        continue  # a prefill chunk that is not the prompt's last: no token yet
+                    if seq.n_generated == 0:
+                        self.metrics.prompt_tokens.inc(seq.prompt_len)
+                    events.append((handle, seq.choose(logits[row : row + 1])))
+            except Exception as err:  # noqa: BLE001 - one pass failing must not stop the engine
+                self._fail([handle for handle, _, _ in group], err)
                 continue
-            for (handle, _), event in zip(group, events):
+            for handle, event in events:
                 self._emit(handle, event)
+
+    def _forward(self, group: list[tuple[RequestHandle, Sequence, int]]) -> torch.Tensor:
+        if self.batch_decode:
+            return forward_many(self.lm.model, [(seq, n) for _, seq, n in group])
+        (_, seq, n), = group  # models without packed attention: one request per pass
+        return decode_step(self.lm.model, seq) if not seq.prefilling else prefill(self.lm.model, seq, n)
 
     def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
         self._record(handle, event)

@@ -6,8 +6,8 @@
     3) turn it into text and check the stop rules (app.detokenize, app.stopping), and yield an event;
     4) decode: feed only the new token at its position, and go back to 2.
 
-`generate()` is that loop for one request. The engine drives the same steps (`prefill`, `decode_step`,
-`Sequence.choose`) for many requests at once. `reference_generate` is the article's first, cache-free version,
+`generate()` is that loop for one request. The engine drives the same steps for many requests at once, running
+all their prefill chunks and decode tokens in one pass (`forward_many`) and then `Sequence.choose` for each. `reference_generate` is the article's first, cache-free version,
 kept as a test oracle: it must produce exactly the same greedy tokens.
 """
 
@@ -19,7 +19,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from transformers import DynamicCache
 
-from app.batching import BatchedCacheView
+from app.batching import PackedCaches, packed_inputs
 from app.detokenize import IncrementalDetokenizer
 from app.errors import InvalidRequest
 from app.sampling import SamplingParams, make_generator, process_logits, sample
@@ -142,21 +142,30 @@ def prefill(model, seq: Sequence, chunk_size: int | None = None) -> torch.Tensor
 
 
 @torch.inference_mode()
-def decode_step(model, seqs: list[Sequence]) -> torch.Tensor:
-    """Feed only each sequence's newest token at its position -> float32 logits [B, vocab].
+def decode_step(model, seq: Sequence) -> torch.Tensor:
+    """Feed only the newest token at its position; the cache holds everything before it."""
+    position = torch.tensor([[seq.length - 1]], device=seq.token_ids.device)  # [1, 1]
+    hidden = model.model(input_ids=seq.last_token, position_ids=position, cache=seq.cache, use_cache=True)
+    return model.lm_head(hidden.last_hidden_state)[:, -1, :].float()  # [1, vocab]
 
-    One sequence uses its own cache directly (the article's loop); several share one forward pass through a
-    BatchedCacheView that writes each row back into its owner's cache (see app/batching.py).
+
+@torch.inference_mode()
+def forward_many(model, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+    """One forward pass for several sequences: each feeds its next `n` tokens (a prefill chunk, or 1 to decode).
+
+    Returns float32 logits [len(work), vocab] at each sequence's last fed position; the tokens travel packed in
+    one row and each sequence's keys and values land in its own cache (app/batching.py explains how).
     """
-    input_ids = torch.cat([s.last_token for s in seqs])  # [B, 1]
-    positions = torch.tensor([[s.length - 1] for s in seqs], device=input_ids.device)  # [B, 1]
-    if len(seqs) == 1:
-        hidden = model.model(input_ids=input_ids, position_ids=positions, cache=seqs[0].cache, use_cache=True)
-    else:
-        view = BatchedCacheView([s.cache for s in seqs], model.dtype, input_ids.device)
-        hidden = model.model(input_ids=input_ids, position_ids=positions, cache=view, use_cache=True,
-                             attention_mask=view.attention_mask)
-    return model.lm_head(hidden.last_hidden_state)[:, -1, :].float()
+    items = []
+    for seq, n in work:
+        cached = seq.cache.get_seq_length()
+        items.append((seq.token_ids[0, cached : cached + n], cached))
+    packed = packed_inputs(items, seq.token_ids.device)
+    cache = PackedCaches([seq.cache for seq, _ in work], packed["spans"])
+    hidden = model.model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], cache=cache,
+                         use_cache=True, attention_mask=packed["attention_mask"]).last_hidden_state  # [1, T, H]
+    last = torch.tensor([end - 1 for _, end in packed["spans"]], device=hidden.device)
+    return model.lm_head(hidden[0, last]).float()  # lm_head on each sequence's last position only
 
 
 def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
@@ -169,7 +178,7 @@ def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos
         yield event
         if event.finish_reason:
             return
-        logits = decode_step(model, [seq])  # 4) decode: feed only the new token
+        logits = decode_step(model, seq)  # 4) decode: feed only the new token
 
 
 @torch.inference_mode()

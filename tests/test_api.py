@@ -148,8 +148,8 @@ def test_body_limit_and_cors(make_tiny_server):
 def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
     import app.engine as engine_module
 
-    real = engine_module.decode_step
-    monkeypatch.setattr(engine_module, "decode_step", lambda m, s: (time.sleep(0.02), real(m, s))[1])
+    real = engine_module.forward_many
+    monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.02), real(m, w))[1])
     server = make_tiny_server(max_active=1, max_queue=0)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as first:
         lines = first.iter_lines()
@@ -167,15 +167,15 @@ def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkey
     import app.engine as engine_module
 
     calls = {"n": 0}
-    real = engine_module.decode_step
+    real = engine_module.forward_many
 
-    def flaky(model, seq):
+    def flaky(model, work):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device failure")
-        return real(model, seq)
+        return real(model, work)
 
-    monkeypatch.setattr(engine_module, "decode_step", flaky)
+    monkeypatch.setattr(engine_module, "forward_many", flaky)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True)) as r:
         assert r.status_code == 200
         chunks = sse_payloads(r)

@@ -1,11 +1,13 @@
-"""Batched decode: one forward pass for several requests must give each request exactly its solo tokens."""
+"""Batched steps: one packed forward pass for several requests (prefill chunks and decode tokens together) must
+give each request exactly the tokens it gets alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.generate import Sequence, decode_step, generate, prefill
+from app.batching import enable_packed_batching
+from app.generate import Sequence, forward_many, generate
 from app.sampling import SamplingParams
 
 PROMPTS = ["Hi!", "Which city is the capital of France?", "北京是中国的首都。请介绍一下北京的历史和文化。",
@@ -16,18 +18,24 @@ def solo(lm, ids, params):
     return [e.token_id for e in generate(lm.model, lm.tokenizer, ids, params, lm.eos_ids, lm.max_context)]
 
 
-def batched(lm, prompts, params_list):
-    """Prefill each, then decode all unfinished sequences together, as the engine does."""
+def batched(lm, prompts, params_list, chunk=16):
+    """As the engine does: every step, each unfinished sequence feeds its next prefill chunk or its newest token,
+    all in one packed pass. Prompts of different lengths finish prefill at different steps, so steps mix
+    prefill chunks with decode tokens."""
+    assert enable_packed_batching(lm.model)
     seqs = [Sequence(lm.model, lm.tokenizer, ids, p, lm.eos_ids, lm.max_context)
             for ids, p in zip(prompts, params_list)]
-    outputs = [[seq.choose(prefill(lm.model, seq)).token_id] for seq in seqs]
+    outputs = [[] for _ in seqs]
     while True:
         live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
         if not live:
             return outputs
-        logits = decode_step(lm.model, [seqs[i] for i in live])
+        work = [(seqs[i], min(chunk, seqs[i].prompt_len - seqs[i].cache.get_seq_length()) if seqs[i].prefilling
+                 else 1) for i in live]
+        logits = forward_many(lm.model, work)
         for row, i in enumerate(live):
-            outputs[i].append(seqs[i].choose(logits[row : row + 1]).token_id)
+            if not seqs[i].prefilling:
+                outputs[i].append(seqs[i].choose(logits[row : row + 1]).token_id)
 
 
 def check_batch_invariance(lm, max_tokens):
@@ -58,15 +66,13 @@ def test_smollm_batch_equals_solo(smollm_fp32):
     check_batch_invariance(smollm_fp32, 32)
 
 
-def test_batched_view_writes_into_each_request_cache(tiny_lm):
+def test_packed_pass_writes_into_each_request_cache(tiny_lm):
     prompts = [tiny_lm.encode_text(t) for t in ("short", "a somewhat longer prompt here")]
     params = SamplingParams(max_tokens=4, do_sample=False)
     seqs = [Sequence(tiny_lm.model, tiny_lm.tokenizer, ids, params, tiny_lm.eos_ids, tiny_lm.max_context)
             for ids in prompts]
-    for seq in seqs:
-        seq.choose(prefill(tiny_lm.model, seq))
-    before = [s.cache.get_seq_length() for s in seqs]
-    logits = decode_step(tiny_lm.model, seqs)
+    assert enable_packed_batching(tiny_lm.model)
+    logits = forward_many(tiny_lm.model, [(seqs[0], len(prompts[0])), (seqs[1], 3)])  # whole prompt + a chunk
     assert logits.shape == (2, tiny_lm.vocab_size)
-    assert [s.cache.get_seq_length() for s in seqs] == [n + 1 for n in before]
-    assert all(isinstance(s.cache.layers[0].keys, torch.Tensor) for s in seqs)
+    assert [s.cache.get_seq_length() for s in seqs] == [len(prompts[0]), 3]
+    assert not seqs[0].prefilling and seqs[1].prefilling

@@ -104,7 +104,7 @@ def test_cache_is_per_request_and_feeds_one_token(tiny_lm):
     b = Sequence(tiny_lm.model, tiny_lm.tokenizer, ids[:5], params, tiny_lm.eos_ids, tiny_lm.max_context)
     a.choose(prefill(tiny_lm.model, a))
     b.choose(prefill(tiny_lm.model, b))
-    logits = decode_step(tiny_lm.model, [a])
+    logits = decode_step(tiny_lm.model, a)
     assert logits.shape == (1, tiny_lm.vocab_size) and logits.dtype == torch.float32
     cfg = tiny_lm.model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
