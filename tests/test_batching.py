@@ -4,7 +4,6 @@ give each request exactly the tokens it gets alone."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from app.batching import enable_packed_batching
 from app.generate import Sequence, forward_many, generate
