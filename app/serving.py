@@ -9,6 +9,7 @@ that leaves cancels its generation at once.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ class CompletionServing:
         self.engine = engine
         self.lm = lm
         self.model_id = model_id
-        self.fingerprint = f"fp_{abs(hash((lm.name, str(lm.dtype)))) % 16**10:010x}"
+        # stable across restarts (str hash() is salted per process): changes only with the model and dtype
+        self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)

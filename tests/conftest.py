@@ -99,6 +99,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(url: str, timeout: float, exited=lambda: None, interval: float = 0.05) -> None:
+    """Poll GET {url}/ready until 200; `exited()` returns a reason when the server died meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (reason := exited()) is not None:
+            raise RuntimeError(reason)
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
 class ThreadServer:
     """A real uvicorn server on a loopback port, in a background thread of the test process."""
 
@@ -111,15 +126,8 @@ class ThreadServer:
 
     def __enter__(self) -> "ThreadServer":
         self.thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("server did not become ready")
+        wait_until_ready(self.url, timeout=120)
+        return self
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True

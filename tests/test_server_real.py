@@ -35,7 +35,7 @@ from openai import AsyncOpenAI, OpenAI
 from app.config import DEFAULT_MODEL, Settings
 from app.fetch import fetch_model
 
-from conftest import MODEL_CACHE, free_port
+from conftest import MODEL_CACHE, free_port, wait_until_ready
 
 pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
@@ -80,17 +80,18 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before ready\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout} s\n{self.log_tail()}")
+        def exited() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            return f"server exited with {self.proc.returncode} before ready\n{self.log_tail()}"
+
+        try:
+            wait_until_ready(self.url, timeout, exited, interval=0.2)
+        except RuntimeError as err:
+            if "exited with" in str(err):
+                raise
+            raise RuntimeError(f"{err}\n{self.log_tail()}") from None
+        return self
 
     def log_tail(self, chars: int = 6000) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
