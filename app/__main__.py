@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.add_argument(flag, type=int)
     serve.add_argument("--shutdown-grace-s", type=float)
     serve.add_argument("--cors-origins", help="comma-separated origins")
+    serve.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
+                       help="CPU + bf16: reorder linear weights once for oneDNN (default: on)")
 
     gen = commands.add_parser("generate", help="stream one answer to the terminal")
     gen.add_argument("prompt")
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device")
     gen.add_argument("--dtype")
+    gen.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None)
     gen.add_argument("--show-logits", nargs="?", const=5, type=int, metavar="K",
                      help="print each step's top K candidates after the processors (default 5)")
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from app.cli_generate import run_generate
 
-            return run_generate(args, settings_from(args, keys=("model", "device", "dtype")))
+            return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack")))
         if args.command == "fetch-model":
             from app.fetch import fetch_model
 

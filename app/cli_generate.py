@@ -16,7 +16,7 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 
 def run_generate(args: argparse.Namespace, settings: Settings) -> int:
-    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache)
+    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     params = resolve_sampling_params(request, lm.generation_defaults)
     if args.raw:

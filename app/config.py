@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    prepack: bool = Field(True, description="CPU + bf16: reorder linear weights once for oneDNN (bit-identical, faster)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")

@@ -28,7 +28,7 @@ import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
 from app.batching import enable_packed_batching
-from app.generate import Sequence, TokenEvent, check_request, decode_step, forward_many, prefill
+from app.generate import Sequence, TokenEvent, check_request, choose_many, decode_step, forward_many, prefill
 from app.metrics import Metrics
 from app.models import LoadedModel
 from app.sampling import SamplingParams
@@ -197,13 +197,14 @@ class Engine:
         for group in groups:
             try:
                 logits = self._forward(group)  # [len(group), vocab]
-                events = []
-                for row, (handle, seq, _) in enumerate(group):
-                    if seq.prefilling:
-                        continue  # a prefill chunk that is not the prompt's last: no token yet
-                    if seq.n_generated == 0:
-                        self.metrics.prompt_tokens.inc(seq.prompt_len)
-                    events.append((handle, seq.choose(logits[row : row + 1])))
+                # Rows whose prefill chunk was not the prompt's last have no token yet.
+                ready = [row for row, (_, seq, _) in enumerate(group) if not seq.prefilling]
+                for row in ready:
+                    if group[row][1].n_generated == 0:
+                        self.metrics.prompt_tokens.inc(group[row][1].prompt_len)
+                chosen = choose_many([group[row][1] for row in ready],
+                                     logits if len(ready) == len(group) else logits[ready])
+                events = [(group[row][0], event) for row, event in zip(ready, chosen)]
             except Exception as err:  # noqa: BLE001 - one pass failing must not stop the engine
                 self._fail([handle for handle, _, _ in group], err)
                 continue

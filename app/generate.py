@@ -7,8 +7,9 @@
     4) decode: feed only the new token at its position, and go back to 2.
 
 `generate()` is that loop for one request. The engine drives the same steps for many requests at once, running
-all their prefill chunks and decode tokens in one pass (`forward_many`) and then `Sequence.choose` for each. `reference_generate` is the article's first, cache-free version,
-kept as a test oracle: it must produce exactly the same greedy tokens.
+all their prefill chunks and decode tokens in one pass (`forward_many`), then choose every next token at once
+(`choose_many`). `reference_generate` is the article's first, cache-free version, kept as a test oracle: it must
+produce exactly the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -88,23 +89,39 @@ class Sequence:
     def last_token(self) -> torch.Tensor:
         return self.token_ids[:, self.length - 1 : self.length]  # [1, 1]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply first: the next token is the argmax of the raw logits."""
+        p = self.params
+        return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and not p.logit_bias and not self._banned())
+
+    def _banned(self) -> list[int]:
+        return self.banned_until_min if self.n_generated < self.params.min_tokens else []
+
     def choose(self, logits: torch.Tensor) -> TokenEvent:
         """logits: [1, vocab] raw scores for the next position -> the chosen token as an event."""
-        banned = self.banned_until_min if self.n_generated < self.params.min_tokens else []
+        return choose_many([self], logits)[0]
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [1, vocab] -> (token [1], processed scores [1, vocab]), on the device: nothing waits for it."""
         scores = process_logits(logits, self.params, self.token_ids[:, : self.length],
-                                self.token_ids[:, self.prompt_len : self.length], banned)
-        token = sample(scores, self.params, self.generator)  # [1]
-        self.token_ids[:, self.length] = token
+                                self.token_ids[:, self.prompt_len : self.length], self._banned())
+        return sample(scores, self.params, self.generator), scores
+
+    def accept(self, token_id: int, logits: torch.Tensor, scores: torch.Tensor | None = None) -> TokenEvent:
+        """Append the chosen token and turn it into an event: logprobs if asked, text, stop checks."""
+        self.token_ids[:, self.length] = token_id
         self.length += 1
-        event = TokenEvent(token_id=int(token.item()), text="")
+        event = TokenEvent(token_id=token_id, text="")
         if self.params.logprobs:
             logprobs = logits.log_softmax(dim=-1)[0]  # OpenAI and vLLM report the model's own distribution
-            event.logprob = float(logprobs[event.token_id])
+            event.logprob = float(logprobs[token_id])
             if self.params.top_logprobs:
                 top = logprobs.topk(self.params.top_logprobs)
                 event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
         if self.show_candidates:
-            top = scores.softmax(dim=-1)[0].topk(self.show_candidates)
+            top = (logits if scores is None else scores).softmax(dim=-1)[0].topk(self.show_candidates)
             event.candidates = list(zip(top.indices.tolist(), top.values.tolist()))
         return self._finish_event(event)
 
@@ -125,6 +142,26 @@ class Sequence:
         event.text, event.finish_reason = text, reason
         self.finish_reason = reason
         return event
+
+
+def choose_many(seqs: Seq[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+    """The next token for each sequence from logits [B, vocab], with one device-to-host transfer for all of them.
+
+    Rows that are plain greedy share one argmax; every other row runs its own processors and draws from its own
+    generator (so a seeded request gets the same tokens alone or in any batch). Either way the chosen ids stay
+    on the device until the single `.tolist()`: on a GPU that is one sync per step, not one per request.
+    """
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # [B]
+    plain = [row for row, seq in enumerate(seqs) if seq.plain_greedy]
+    if plain:
+        rows = torch.tensor(plain, device=logits.device)
+        tokens[rows] = logits[rows].argmax(dim=-1)
+    scores: dict[int, torch.Tensor] = {}
+    for row, seq in enumerate(seqs):
+        if not seq.plain_greedy:
+            tokens[row : row + 1], scores[row] = seq.pick(logits[row : row + 1])
+    return [seq.accept(token_id, logits[row : row + 1], scores.get(row))
+            for row, (seq, token_id) in enumerate(zip(seqs, tokens.tolist()))]
 
 
 @torch.inference_mode()

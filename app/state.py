@@ -37,7 +37,8 @@ class ServerState:
             if self.lm is None:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
-            loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len)
+            loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
+                                         prepack=s.prepack)
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)

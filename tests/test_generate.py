@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.errors import InvalidRequest
-from app.generate import Sequence, check_request, decode_step, generate, prefill, reference_generate
+from app.generate import Sequence, check_request, choose_many, decode_step, generate, prefill, reference_generate
 from app.sampling import SamplingParams, resolve_sampling_params
 
 
@@ -137,3 +137,28 @@ def test_model_defaults_apply_unless_request_overrides(tiny_lm):
     assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0.7, 5, 0.8, 1.1)
     assert params.do_sample
     assert resolve_sampling_params({"temperature": 0}, tiny_lm.generation_defaults).greedy
+
+
+def test_choosing_for_a_batch_gives_each_request_what_it_gets_alone(tiny_lm):
+    """The engine picks every row's token at once (shared argmax for plain greedy rows, one host transfer);
+    each request must still get exactly its own tokens, logprobs and random draws."""
+    lm = tiny_lm
+    ids = lm.tokenizer.encode("Which city is the capital of France?")
+    params = [SamplingParams(max_tokens=12, do_sample=False),
+              SamplingParams(max_tokens=12, do_sample=False, repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7),
+              SamplingParams(max_tokens=12, temperature=1.0, top_p=0.8, seed=8, logprobs=True, top_logprobs=3),
+              SamplingParams(max_tokens=12, do_sample=False, min_tokens=6)]
+
+    def new_seqs():
+        return [Sequence(lm.model, lm.tokenizer, ids, p, lm.eos_ids, lm.max_context) for p in params]
+
+    batch, alone = new_seqs(), new_seqs()
+    logits = torch.cat([prefill(lm.model, s) for s in batch])  # [5, vocab]
+    assert batch[0].plain_greedy and not any(s.plain_greedy for s in batch[1:])
+    for _ in range(12):
+        together = choose_many(batch, logits)
+        one_by_one = [s.choose(logits[row : row + 1]) for row, s in enumerate(alone)]
+        assert together == one_by_one
+        logits = torch.cat([decode_step(lm.model, s) for s in batch])
+    assert [s.n_generated for s in batch] == [12] * 5
