@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--model", "--served-model-name", "--host", "--device", "--dtype", "--api-key", "--log-level",
                  "--model-cache"):
         serve.add_argument(flag)
-    for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes"):
+    for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes",
+                 "--prefill-tokens-per-step"):
         serve.add_argument(flag, type=int)
     serve.add_argument("--shutdown-grace-s", type=float)
     serve.add_argument("--cors-origins", help="comma-separated origins")
@@ -50,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
-    from app import bench_generate, bench_serve  # the benchmarks are optional leaves of the CLI
+    from app import bench_compare, bench_generate, bench_serve  # the benchmarks are optional leaves of the CLI
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
+    bench_compare.add_arguments(bench_kinds.add_parser("compare", help="ours vs transformers serve, same load"))
 
     args = parser.parse_args(argv)
     try:
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.bench_command == "generate":
             bench_generate.run(args)
+        elif args.bench_command == "compare":
+            bench_compare.run(args)
         else:
             bench_serve.run(args)
         return 0

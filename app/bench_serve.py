@@ -274,6 +274,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     """Run the benchmark described by parsed `args`; print a table, write JSON, return the result."""
+    result = measure(args)
+    out = Path(args.out or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    print_table(result)
+    print(f"  wrote {out}")
+    return result
+
+
+def measure(args) -> dict:
+    """Send the load described by `args` and return the report dict (nothing printed or written)."""
     count_tokens = None
     if getattr(args, "tokenizer", None):
         from transformers import AutoTokenizer  # lazy: only needed for exact prompt lengths
@@ -284,13 +295,7 @@ def run(args) -> dict:
     results, wall = asyncio.run(_run_async(args, prompts))
     config = {k: getattr(args, k) for k in
               ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed")}
-    result = summarize(results, wall, config)
-    out = Path(args.out or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
-    print_table(result)
-    print(f"  wrote {out}")
-    return result
+    return summarize(results, wall, config)
 
 
 if __name__ == "__main__":

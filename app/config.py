@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
+    prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
+                                                "(default: 128 on CPU, 2048 on GPU)")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)

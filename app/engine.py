@@ -35,9 +35,18 @@ from app.sampling import SamplingParams
 
 log = logging.getLogger("app.engine")
 _DONE = object()
-# Prompt tokens prefilled per engine step. Bounds how long running streams wait for a newcomer's prefill
-# (about one forward pass of this many tokens) while keeping long prompts efficient.
-PREFILL_TOKENS_PER_STEP = 512
+
+
+def default_prefill_tokens_per_step(device: torch.device) -> int:
+    """How many prompt tokens one engine step may prefill.
+
+    A CPU prefill is compute-bound: 1,500 prompt tokens took 2.3 s here in chunks of 128, 256, 512 or in one
+    piece, so small chunks cost nothing and let a burst of new requests take turns. In a burst of 8 ~125-token
+    prompts, 128 per step gave a median time to first token of 358 ms against 609 ms with 512, at the same
+    tokens/s. A GPU step is mostly fixed cost, so it takes far more per step (vLLM's chunked-prefill default;
+    not measured here, where there is no GPU).
+    """
+    return 128 if device.type == "cpu" else 2048
 
 
 class GenerationFailed(ServeError):
@@ -84,7 +93,7 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel | Callable[[], LoadedModel], max_active: int = 8, max_queue: int = 64,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, prefill_tokens_per_step: int | None = None):
         self._load = model if callable(model) else (lambda: model)
         self.lm: LoadedModel | None = None
         self.loaded = threading.Event()  # set once the model is loaded, or failed to load
@@ -92,6 +101,7 @@ class Engine:
         self.batch_decode = False
         self.max_active = max_active
         self.max_queue = max_queue
+        self.prefill_tokens_per_step = prefill_tokens_per_step
         self.metrics = metrics or Metrics()
         self.draining = False
         self._waiting: deque[RequestHandle] = deque()
@@ -140,6 +150,8 @@ class Engine:
         try:
             self.lm = self._load()
             self.batch_decode = enable_packed_batching(self.lm.model)
+            if self.prefill_tokens_per_step is None:
+                self.prefill_tokens_per_step = default_prefill_tokens_per_step(self.lm.device)
         except BaseException as err:  # noqa: BLE001 - reported to whoever waits on `loaded`
             self.load_error = err
             return
@@ -171,10 +183,10 @@ class Engine:
             self.metrics.cancellations.inc()
 
     def _step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
-        """One engine step: the next prefill chunk of new requests (at most PREFILL_TOKENS_PER_STEP prompt tokens,
+        """One engine step: the next prefill chunk of new requests (at most `prefill_tokens_per_step` prompt tokens,
         so a long prompt never stalls running streams for long) and one token for every running request, all in
         one forward pass when the model allows it."""
-        model, budget, work = self.lm.model, PREFILL_TOKENS_PER_STEP, []
+        model, budget, work = self.lm.model, self.prefill_tokens_per_step, []
         for handle, seq in batch:
             if handle.cancelled.is_set():
                 continue  # dropped at the next step's start

@@ -39,7 +39,7 @@ class ServerState:
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack)
-            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics)
+            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:

@@ -1,0 +1,146 @@
+"""`python -m app bench compare`: simple-serve next to `transformers serve`, same weights, same load, one run.
+
+It starts each server as its own process on a loopback port: ours (`python -m app serve`), `transformers serve`
+and `transformers serve --continuous-batching`, all on the same model directory and dtype. Then it warms each
+up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
+so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
+and writes all figures as JSON. The README's comparison table comes from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from app import bench_serve
+from app.config import DEFAULT_MODEL, Settings
+from app.fetch import EMBEDDED, fetch_model
+
+SERVERS = ("ours", "transformers", "transformers-cb")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or a local HF directory")
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, from {', '.join(SERVERS)}")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--concurrency", type=int, default=8, help="streams in the loaded scenario")
+    parser.add_argument("--single-requests", type=int, default=6, help="requests in the 1-stream scenario")
+    parser.add_argument("--loaded-requests", type=int, default=32, help="requests in the loaded scenario")
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send ignore_eos, so every answer is max-tokens long (ours only: transformers rejects it)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--out", default=None, help="JSON path (default bench-results/compare-<timestamp>.json)")
+
+
+def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
+    if kind == "ours":
+        return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port),
+                "--device", args.device, "--dtype", args.dtype, "--served-model-name", str(model_dir)]
+    transformers_cli = Path(sys.executable).with_name("transformers")
+    command = [str(transformers_cli), "serve", str(model_dir), "--device", args.device, "--dtype", args.dtype,
+               "--port", str(port), "--host", "127.0.0.1"]
+    return command + (["--continuous-batching"] if kind == "transformers-cb" else [])
+
+
+def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server at {url} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"error: the server at {url} was not ready after {timeout:.0f} s; see {log}")
+
+
+def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: int, requests: int) -> argparse.Namespace:
+    return argparse.Namespace(url=url, model=model_id, concurrency=concurrency, requests=requests,
+                              prompt_len=args.prompt_len, max_tokens=args.max_tokens, stream=True,
+                              ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=0, tokenizer=None)
+
+
+def run(args: argparse.Namespace) -> dict:
+    kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in SERVERS]
+    if unknown or not kinds:
+        raise SystemExit(f"error: --servers: unknown {', '.join(unknown) or '(none given)'}; pick from "
+                         f"{', '.join(SERVERS)}")
+    if args.ignore_eos and any(k.startswith("transformers") for k in kinds):
+        raise SystemExit("error: --ignore-eos: transformers serve rejects the ignore_eos field (HTTP 422); "
+                         "compare with EOS honoured, or pass --servers ours")
+    model_dir = fetch_model(args.model, Settings().model_cache) if args.model in EMBEDDED else Path(args.model).expanduser().resolve()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"error: --model: {model_dir} is not a model directory (no config.json)")
+    out = Path(args.out or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    procs: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for kind in kinds:
+            port = _free_port()
+            log = out.with_name(f"{out.stem}-{kind}.log")
+            proc = subprocess.Popen(server_command(kind, model_dir, port, args), env=env,
+                                    stdout=log.open("wb"), stderr=subprocess.STDOUT)
+            procs[kind] = (proc, f"http://127.0.0.1:{port}")
+            # Ours answers /ready once loaded and warm; transformers serve has only /health. One load at a time.
+            wait_ready(procs[kind][1], "/ready" if kind == "ours" else "/health", proc, args.ready_timeout, log)
+        for kind, (_, url) in procs.items():  # warm-up: first-request costs (transformers' CB manager starts here)
+            bench_serve.measure(load_args(args, url, str(model_dir), 1, 2))
+        scenarios = {"1 stream": (1, args.single_requests),
+                     f"{args.concurrency} streams": (args.concurrency, args.loaded_requests)}
+        results: dict[str, dict[str, dict]] = {name: {} for name in scenarios}
+        for name, (concurrency, requests) in scenarios.items():
+            for kind, (_, url) in procs.items():
+                print(f"{name}: {kind} ...", flush=True)
+                results[name][kind] = bench_serve.measure(load_args(args, url, str(model_dir), concurrency, requests))
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+        for proc, _ in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    report = {"model": str(model_dir), "dtype": args.dtype, "device": args.device, "results": results}
+    out.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    print_comparison(report)
+    print(f"wrote {out}")
+    return report
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_comparison(report: dict) -> None:
+    print(f"\n{report['model']} ({report['dtype']}, {report['device']})")
+    print(f"{'load':<12}{'server':<18}{'tok/s':>8}{'ours/this':>11}{'TTFT p50':>11}{'ITL p50':>10}{'errors':>8}")
+    for scenario, by_server in report["results"].items():
+        ours = (by_server.get("ours") or {}).get("output_tokens_per_s", {}).get("aggregate")
+        for kind, r in by_server.items():
+            rate = r["output_tokens_per_s"]["aggregate"]
+            ratio = f"{ours / rate:.2f}x" if ours and rate else "-"
+            ttft, itl = r["ttft_s"]["p50"], r["itl_per_token_s"]["p50"]
+            print(f"{scenario:<12}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
+                  f"{'-' if ttft is None else f'{ttft * 1e3:.0f} ms':>11}"
+                  f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
+    single, loaded = (by_server.get("ours") for by_server in report["results"].values())
+    if single and loaded and single["output_tokens_per_s"]["aggregate"] and single["ttft_s"]["p50"]:
+        print(f"ours, loaded vs 1 stream: {loaded['output_tokens_per_s']['aggregate'] / single['output_tokens_per_s']['aggregate']:.2f}x "
+              f"the tokens/s, {loaded['ttft_s']['p50'] / single['ttft_s']['p50']:.2f}x the TTFT p50")

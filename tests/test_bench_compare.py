@@ -1,0 +1,55 @@
+"""`python -m app bench compare` end to end, on the tiny model saved to disk: it starts ours and
+`transformers serve` as real processes, drives both with the same load and prints one table with ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.config import Settings
+
+from conftest import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.server
+SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
+
+
+def bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k.upper() not in SETTINGS_ENV}  # no stray PORT, MODEL, ...
+    return subprocess.run([sys.executable, "-m", "app", "bench", "compare", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def test_compare_runs_ours_and_transformers_serve_on_the_same_load(tmp_path, tiny_tokenizer):
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(len(tiny_tokenizer)).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "compare.json"
+    done = bench("--model", str(model_dir), "--servers", "ours,transformers", "--dtype", "float32",
+                 "--single-requests", "2", "--loaded-requests", "4", "--concurrency", "2", "--prompt-len", "20",
+                 "--max-tokens", "8", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"1 stream", "2 streams"}
+    for scenario, requests in (("1 stream", 2), ("2 streams", 4)):
+        for server in ("ours", "transformers"):
+            r = report["results"][scenario][server]
+            assert r["requests"] == {"total": requests, "succeeded": requests, "failed": 0}, r["errors"]
+            assert r["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"]["aggregate"] > 0
+            assert 0 < r["completion_tokens_total"] <= requests * 8
+    assert "ours/this" in done.stdout and "transformers" in done.stdout and "1.00x" in done.stdout
+
+
+def test_bad_arguments_are_named(tmp_path):
+    done = bench("--servers", "ours,vllm", cwd=tmp_path)
+    assert done.returncode != 0 and "--servers" in done.stderr and "vllm" in done.stderr
+    done = bench("--model", str(tmp_path), "--servers", "ours", cwd=tmp_path)
+    assert done.returncode != 0 and "--model" in done.stderr and "config.json" in done.stderr
+    done = bench("--ignore-eos", cwd=tmp_path)  # transformers serve answers ignore_eos with a 422
+    assert done.returncode != 0 and "--ignore-eos" in done.stderr
