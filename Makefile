@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models serve test test-fast bench clean
+.PHONY: setup models serve test test-fast bench bench-compare clean
 
 setup: $(VENV)/.installed models
 
@@ -34,6 +34,10 @@ test-fast: $(VENV)/.installed
 
 bench: setup
 	$(PY) -m app bench generate
+
+# Ours next to `transformers serve` (with and without continuous batching), same weights and load: ~6 minutes.
+bench-compare: setup
+	$(PY) -m app bench compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
