@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loaded-requests", type=int, default=32, help="requests in the loaded scenario")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", default="0", help="0 (default): greedy; 'none': each server's model defaults")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="send ignore_eos, so every answer is max-tokens long (ours only: transformers rejects it)")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -70,7 +71,8 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float, log:
 def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: int, requests: int) -> argparse.Namespace:
     return argparse.Namespace(url=url, model=model_id, concurrency=concurrency, requests=requests,
                               prompt_len=args.prompt_len, max_tokens=args.max_tokens, stream=True,
-                              ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=0, tokenizer=None)
+                              ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=0, tokenizer=None,
+                              temperature=args.temperature)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -4,7 +4,7 @@
         --concurrency 8 --requests 64 --prompt-len 512 --max-tokens 128 --stream
 
 Sends M requests to POST {url}/v1/chat/completions, at most N in flight, with
-`temperature: 0`, `max_tokens: T` and (unless --no-ignore-eos) the vLLM-style
+`temperature: 0` (or --temperature; `none` leaves it to the server's model defaults), `max_tokens: T` and (unless --no-ignore-eos) the vLLM-style
 `ignore_eos: true`, so that every request decodes exactly T tokens and runs are
 comparable across servers. Prints a table and writes JSON (--out).
 
@@ -210,12 +210,15 @@ async def _run_async(args, prompts: list[str]) -> tuple[list[Result], float]:
     base = args.url.rstrip("/")
     url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    temperature = parse_temperature(getattr(args, "temperature", "0"))
     sem = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), headers=headers, limits=limits) as client:
         async def task(prompt: str) -> Result:
             body = {"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                    "temperature": 0, "max_tokens": args.max_tokens, "stream": args.stream}
+                    "max_tokens": args.max_tokens, "stream": args.stream}
+            if temperature is not None:
+                body["temperature"] = temperature
             if args.stream:
                 body["stream_options"] = {"include_usage": True}
             if args.ignore_eos:
@@ -226,6 +229,16 @@ async def _run_async(args, prompts: list[str]) -> tuple[list[Result], float]:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(task(p) for p in prompts))
         return list(results), time.perf_counter() - t0
+
+
+def parse_temperature(value: str | float | None) -> float | None:
+    """`none` leaves temperature out of the request, so the server samples with the model's own defaults."""
+    if value is None or str(value).lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"error: --temperature: expected a number or 'none', got {value!r}") from None
 
 
 def _fmt(v, unit: str = "", scale: float = 1.0) -> str:
@@ -263,6 +276,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=256, help="approximate prompt length in tokens")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request")
     parser.add_argument("--stream", action="store_true", help="stream (SSE); needed for TTFT and ITL")
+    parser.add_argument("--temperature", default="0",
+                        help="sent with every request (default 0: greedy); 'none' uses the server's model defaults")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (for servers that reject unknown fields)")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
@@ -294,7 +309,8 @@ def measure(args) -> dict:
     prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
     results, wall = asyncio.run(_run_async(args, prompts))
     config = {k: getattr(args, k) for k in
-              ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed")}
+              ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed",
+               "temperature")}
     return summarize(results, wall, config)
 
 

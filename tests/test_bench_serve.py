@@ -137,14 +137,16 @@ def test_streaming_metrics_errors_and_request_shape(fake, tmp_path, capsys):
 
     assert json.loads((tmp_path / "out.json").read_text()) == res
     assert res["config"] == {"url": url, "model": "fake-model", "concurrency": 3, "requests": 8, "prompt_len": 64,
-                             "max_tokens": COMPLETION_TOKENS, "stream": True, "ignore_eos": True, "seed": 0}
+                             "max_tokens": COMPLETION_TOKENS, "stream": True, "ignore_eos": True, "seed": 0,
+                             "temperature": "0"}
     table = capsys.readouterr().out
     assert "requests ok / failed" in table and "6 / 2" in table and "engine died" in table
 
 
 def test_non_streaming_mode(fake, tmp_path):
     url, state = fake
-    res = _bench(url + "/v1/", tmp_path, "--concurrency", "2", "--requests", "4", "--no-ignore-eos")
+    res = _bench(url + "/v1/", tmp_path, "--concurrency", "2", "--requests", "4", "--no-ignore-eos",
+                 "--temperature", "none")
 
     assert res["requests"] == {"total": 4, "succeeded": 4, "failed": 0}
     assert res["completion_tokens_total"] == 4 * COMPLETION_TOKENS
@@ -153,6 +155,7 @@ def test_non_streaming_mode(fake, tmp_path):
     assert res["output_tokens_per_s"]["aggregate"] == pytest.approx(4 * COMPLETION_TOKENS / res["wall_time_s"])
     body = state["bodies"][0]
     assert body["stream"] is False and "stream_options" not in body and "ignore_eos" not in body
+    assert "temperature" not in body  # --temperature none: the server's model defaults decide
     assert state["auth"] == [None] * 4
 
 
