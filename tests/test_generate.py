@@ -3,6 +3,8 @@ events, stop rules, cache ownership and input validation."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -153,12 +155,14 @@ def test_choosing_for_a_batch_gives_each_request_what_it_gets_alone(tiny_lm):
     def new_seqs():
         return [Sequence(lm.model, lm.tokenizer, ids, p, lm.eos_ids, lm.max_context) for p in params]
 
-    batch, alone = new_seqs(), new_seqs()
+    batch, pooled, alone = new_seqs(), new_seqs(), new_seqs()
     logits = torch.cat([prefill(lm.model, s) for s in batch])  # [5, vocab]
     assert batch[0].plain_greedy and not any(s.plain_greedy for s in batch[1:])
-    for _ in range(12):
-        together = choose_many(batch, logits)
-        one_by_one = [s.choose(logits[row : row + 1]) for row, s in enumerate(alone)]
-        assert together == one_by_one
-        logits = torch.cat([decode_step(lm.model, s) for s in batch])
+    with ThreadPoolExecutor(2) as pool:  # the engine's CPU sampling pool: rows side by side
+        for _ in range(12):
+            together = choose_many(batch, logits)
+            side_by_side = choose_many(pooled, logits, pool)
+            one_by_one = [s.choose(logits[row : row + 1]) for row, s in enumerate(alone)]
+            assert together == side_by_side == one_by_one
+            logits = torch.cat([decode_step(lm.model, s) for s in batch])
     assert [s.n_generated for s in batch] == [12] * 5
