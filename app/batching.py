@@ -11,7 +11,9 @@ Two pieces make the HF model accept such a row without touching its code:
   queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
   is why batched greedy output equals solo output). For any other call it simply is HF's SDPA.
 
-Nothing is padded, so no compute is spent on padding and no mask can leak one request into another.
+The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
+call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
+against 77 ms with one SDPA call per request); each prefill chunk gets its own call, unpadded.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
         --concurrency 8 --requests 64 --prompt-len 512 --max-tokens 128 --stream
 
 Sends M requests to POST {url}/v1/chat/completions, at most N in flight, with
-`temperature: 0` (or --temperature; `none` leaves it to the server's model defaults), `max_tokens: T` and (unless --no-ignore-eos) the vLLM-style
+`temperature: 0` (or --temperature; `none` leaves it to the server's model
+defaults), `max_tokens: T` and (unless --no-ignore-eos) the vLLM-style
 `ignore_eos: true`, so that every request decodes exactly T tokens and runs are
 comparable across servers. Prints a table and writes JSON (--out).
 

@@ -219,13 +219,14 @@ class Engine:
             try:
                 logits = self._forward(group)  # [len(group), vocab]
                 # Rows whose prefill chunk was not the prompt's last have no token yet.
-                ready = [row for row, (_, seq, _) in enumerate(group) if not seq.prefilling]
-                for row in ready:
-                    if group[row][1].n_generated == 0:
-                        self.metrics.prompt_tokens.inc(group[row][1].prompt_len)
-                chosen = choose_many([group[row][1] for row in ready],
-                                     logits if len(ready) == len(group) else logits[ready], self._sampling_pool)
-                events = [(group[row][0], event) for row, event in zip(ready, chosen)]
+                rows = [row for row, (_, seq, _) in enumerate(group) if not seq.prefilling]
+                ready = [group[row][:2] for row in rows]  # (handle, seq)
+                for _, seq in ready:
+                    if seq.n_generated == 0:
+                        self.metrics.prompt_tokens.inc(seq.prompt_len)
+                chosen = choose_many([seq for _, seq in ready], logits if len(rows) == len(group) else logits[rows],
+                                     self._sampling_pool)
+                events = [(handle, event) for (handle, _), event in zip(ready, chosen)]
             except Exception as err:  # noqa: BLE001 - one pass failing must not stop the engine
                 self._fail([handle for handle, _, _ in group], err)
                 continue

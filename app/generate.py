@@ -157,11 +157,7 @@ def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None
     The rows are independent, so a thread pool can run them side by side: in a batch of 8 after a forward pass,
     37 ms one after another and 28 ms on 2 workers here. Each row's result is the same either way.
     """
-    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # [B]
-    plain = [row for row, seq in enumerate(seqs) if seq.plain_greedy]
-    if plain:
-        rows = torch.tensor(plain, device=logits.device)
-        tokens[rows] = logits[rows].argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)  # [B]: the answer for plain greedy rows; the other rows are overwritten below
     sampled = [row for row, seq in enumerate(seqs) if not seq.plain_greedy]
 
     def pick(row: int) -> tuple[torch.Tensor, torch.Tensor]:
