@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
-    from app import bench_compare, bench_generate, bench_serve  # the benchmarks are optional leaves of the CLI
+    # the benchmarks are optional leaves of the CLI
+    from app.bench import compare as bench_compare, generate as bench_generate, serve as bench_serve
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
@@ -64,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_server(settings_from(args))
         if args.command == "generate":
-            from app.cli_generate import run_generate
+            from app.cli import run_generate
 
             return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack")))
         if args.command == "fetch-model":
-            from app.fetch import fetch_model
+            from app.models.fetch import fetch_model
 
             settings = Settings()
             for name in args.names or [settings.model]:

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.detokenize import decode
+from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from app.serving import CompletionServing
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.openai.serving import CompletionServing
 from app.state import ServerState
 
 

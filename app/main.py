@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException
 from app.api import public, router
 from app.config import Settings
 from app.errors import Overloaded, ServeError
-from app.models import LoadedModel
-from app.serving import error_body
+from app.models.loading import LoadedModel
+from app.openai.serving import error_body
 from app.state import ServerState
 
 log = logging.getLogger("app.access")

@@ -11,11 +11,11 @@ import logging
 from functools import partial
 
 from app.config import Settings
-from app.engine import Engine
+from app.core.engine import Engine
 from app.metrics import Metrics
-from app.models import LoadedModel, load_model
-from app.sampling import SamplingParams
-from app.serving import CompletionServing
+from app.models.loading import LoadedModel, load_model
+from app.core.sampling import SamplingParams
+from app.openai.serving import CompletionServing
 
 log = logging.getLogger("app.state")
 

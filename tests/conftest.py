@@ -15,8 +15,8 @@ import torch
 import uvicorn
 
 from app.config import Settings
-from app.fetch import fetch_model
-from app.models import LoadedModel, load_model
+from app.models.fetch import fetch_model
+from app.models.loading import LoadedModel, load_model
 
 MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
 CORPUS = [

@@ -146,7 +146,7 @@ def test_body_limit_and_cors(make_tiny_server):
 
 
 def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
-    import app.engine as engine_module
+    import app.core.engine as engine_module
 
     real = engine_module.forward_many
     monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.02), real(m, w))[1])
@@ -164,7 +164,7 @@ def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
 
 def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkeypatch):
     server = make_tiny_server()
-    import app.engine as engine_module
+    import app.core.engine as engine_module
 
     calls = {"n": 0}
     real = engine_module.forward_many

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.batching import enable_packed_batching
-from app.generate import Sequence, forward_many, generate
-from app.sampling import SamplingParams
+from app.core.batching import enable_packed_batching
+from app.core.generate import Sequence, forward_many, generate
+from app.core.sampling import SamplingParams
 
 PROMPTS = ["Hi!", "Which city is the capital of France?", "北京是中国的首都。请介绍一下北京的历史和文化。",
            "Emoji are fun: 😀 🎉 and so is café. Tell me a long story about a café in Paris, with many details."]

@@ -1,4 +1,4 @@
-"""Tests for app.bench_serve against a tiny fake OpenAI-compatible server (offline, ~1 s)."""
+"""Tests for app.bench.serve against a tiny fake OpenAI-compatible server (offline, ~1 s)."""
 
 import argparse
 import asyncio
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.bench_serve import add_arguments, build_prompt, estimate_tokens, parse_sse_line, percentile, run
+from app.bench.serve import add_arguments, build_prompt, estimate_tokens, parse_sse_line, percentile, run
 
 CHUNKS = 5  # content chunks per streamed reply
 TOKENS_PER_CHUNK = 2  # a chunk may hold several tokens; the bench must trust usage, not chunk counts

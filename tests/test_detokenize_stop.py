@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from app.detokenize import IncrementalDetokenizer, decode
-from app.stopping import StopStringFilter, token_finish_reason
+from app.core.detokenize import IncrementalDetokenizer, decode
+from app.core.stopping import StopStringFilter, token_finish_reason
 
 EOS = "<|endoftext|>"
 CORPUS = [

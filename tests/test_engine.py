@@ -7,8 +7,8 @@ import asyncio
 
 import torch
 
-from app.engine import Engine, default_prefill_tokens_per_step
-from app.sampling import SamplingParams
+from app.core.engine import Engine, default_prefill_tokens_per_step
+from app.core.sampling import SamplingParams
 
 
 class RecordingEngine(Engine):

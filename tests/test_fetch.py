@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from app import fetch
+from app.models import fetch
 from app.errors import ConfigError
 
 PAYLOAD = [b"GGUF" + bytes(range(256)) * 40, bytes(reversed(range(256))) * 30]

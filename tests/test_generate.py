@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from app.errors import InvalidRequest
-from app.generate import Sequence, check_request, choose_many, decode_step, generate, prefill, reference_generate
-from app.sampling import SamplingParams, resolve_sampling_params
+from app.core.generate import Sequence, check_request, choose_many, decode_step, generate, prefill, reference_generate
+from app.core.sampling import SamplingParams, resolve_sampling_params
 
 
 def prompt(lm, text="Which city is the capital of France?"):

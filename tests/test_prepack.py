@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from app import bench_generate
+from app.bench import generate as bench_generate
 from app.config import Settings
-from app.generate import generate
-from app.models import load_model
-from app.prepack import PackedLinear, decode_bytes_per_step, prepack_linears, prepack_supported
-from app.sampling import SamplingParams
+from app.core.generate import generate
+from app.models.loading import load_model
+from app.models.prepack import PackedLinear, decode_bytes_per_step, prepack_linears, prepack_supported
+from app.core.sampling import SamplingParams
 
 from conftest import MODEL_CACHE, build_tiny_model
 
@@ -64,7 +64,7 @@ def test_a_layer_that_would_change_results_stays_plain(tiny_tokenizer, monkeypat
     model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
     forward = PackedLinear.forward
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: forward(self, x) + 1)  # a wrong kernel
-    with caplog.at_level(logging.WARNING, logger="app.prepack"):
+    with caplog.at_level(logging.WARNING, logger="app.models.prepack"):
         assert prepack_linears(model) == 0
     assert linears(model) == (15, 0)
     assert "15 linear layers gave different results" in caplog.text

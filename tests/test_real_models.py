@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from app.errors import ConfigError
-from app.generate import generate, reference_generate
-from app.models import load_model
-from app.sampling import SamplingParams, resolve_sampling_params
+from app.core.generate import generate, reference_generate
+from app.models.loading import load_model
+from app.core.sampling import SamplingParams, resolve_sampling_params
 
 pytestmark = pytest.mark.real_model
 PROMPTS = {

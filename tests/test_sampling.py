@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 )
 
 from app.errors import InvalidRequest
-from app.sampling import (
+from app.core.sampling import (
     BUILTIN_DEFAULTS,
     SamplingParams,
     apply_logit_bias,

@@ -33,7 +33,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from app.config import DEFAULT_MODEL, Settings
-from app.fetch import fetch_model
+from app.models.fetch import fetch_model
 
 from conftest import MODEL_CACHE, free_port, wait_until_ready
 

@@ -316,6 +316,6 @@ def measure(args) -> dict:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m app.bench_serve")
+    _parser = argparse.ArgumentParser(prog="python -m app.bench.serve")
     add_arguments(_parser)
     run(_parser.parse_args())

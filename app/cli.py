@@ -7,9 +7,9 @@ import json
 import sys
 
 from app.config import Settings
-from app.generate import generate
-from app.models import load_model
-from app.sampling import resolve_sampling_params
+from app.core.generate import generate
+from app.models.loading import load_model
+from app.core.sampling import resolve_sampling_params
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "max_tokens", "seed", "stop")

@@ -2,8 +2,8 @@
 
     1) prefill: run the model body over the prompt once, filling this request's own DynamicCache,
        and apply lm_head to the last position only (full-prompt logits would be prompt_len x vocab floats);
-    2) choose the next token from those logits (app.sampling);
-    3) turn it into text and check the stop rules (app.detokenize, app.stopping), and yield an event;
+    2) choose the next token from those logits (app.core.sampling);
+    3) turn it into text and check the stop rules (app.core.detokenize, app.core.stopping), and yield an event;
     4) decode: feed only the new token at its position, and go back to 2.
 
 `generate()` is that loop for one request. The engine drives the same steps for many requests at once, running
@@ -21,11 +21,11 @@ from typing import Iterator, Sequence as Seq
 import torch
 from transformers import DynamicCache
 
-from app.batching import PackedCaches, packed_inputs
-from app.detokenize import IncrementalDetokenizer
+from app.core.batching import PackedCaches, packed_inputs
+from app.core.detokenize import IncrementalDetokenizer
 from app.errors import InvalidRequest
-from app.sampling import SamplingParams, make_generator, process_logits, sample
-from app.stopping import StopStringFilter, token_finish_reason
+from app.core.sampling import SamplingParams, make_generator, process_logits, sample
+from app.core.stopping import StopStringFilter, token_finish_reason
 
 
 @dataclass

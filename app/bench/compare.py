@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from app import bench_serve
+from app.bench import serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
-from app.fetch import EMBEDDED, fetch_model
+from app.models.fetch import EMBEDDED, fetch_model
 
 SERVERS = ("ours", "transformers", "transformers-cb")
 

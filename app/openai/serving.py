@@ -19,14 +19,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from app.engine import Engine, RequestHandle
+from app.core.engine import Engine, RequestHandle
 from app.errors import ModelNotFound, ServeError
-from app.generate import TokenEvent
-from app.models import LoadedModel
-from app.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from app.sampling import SamplingParams
+from app.core.generate import TokenEvent
+from app.models.loading import LoadedModel
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.core.sampling import SamplingParams
 
-log = logging.getLogger("app.serving")
+log = logging.getLogger("app.openai.serving")
 SSE_PING_S = 15
 DISCONNECT_POLL_S = 0.2
 

@@ -28,13 +28,13 @@ from typing import AsyncIterator, Callable
 import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
-from app.batching import enable_packed_batching
-from app.generate import Sequence, TokenEvent, check_request, choose_many, decode_step, forward_many, prefill
+from app.core.batching import enable_packed_batching
+from app.core.generate import Sequence, TokenEvent, check_request, choose_many, decode_step, forward_many, prefill
 from app.metrics import Metrics
-from app.models import LoadedModel
-from app.sampling import SamplingParams
+from app.models.loading import LoadedModel
+from app.core.sampling import SamplingParams
 
-log = logging.getLogger("app.engine")
+log = logging.getLogger("app.core.engine")
 _DONE = object()
 
 

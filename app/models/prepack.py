@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-log = logging.getLogger("app.prepack")
+log = logging.getLogger("app.models.prepack")
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import InvalidRequest
-from app.sampling import SamplingParams, resolve_sampling_params
+from app.core.sampling import SamplingParams, resolve_sampling_params
 
 MAX_STOP_STRINGS = 16
 MAX_N = 8

@@ -16,11 +16,14 @@ from typing import Any, Sequence
 import torch
 
 from app.errors import ConfigError
-from app.fetch import EMBEDDED, fetch_model
-from app.prepack import PackedLinear, prepack_linears, prepack_supported
-from app.sampling import GENERATION_CONFIG_KEYS
+from app.models.fetch import EMBEDDED, fetch_model
+from app.models.prepack import PackedLinear, prepack_linears, prepack_supported
 
-log = logging.getLogger("app.models")
+log = logging.getLogger("app.models.loading")
+
+# The generation_config.json keys that map onto sampling parameters. They live with the loading code so that
+# models/ never imports core/; core/sampling.py has a built-in default for each.
+GENERATION_CONFIG_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from app.config import Settings
-from app.generate import Sequence, decode_step, prefill
-from app.models import load_model
-from app.prepack import PackedLinear, decode_bytes_per_step
-from app.sampling import SamplingParams
+from app.core.generate import Sequence, decode_step, prefill
+from app.models.loading import load_model
+from app.models.prepack import PackedLinear, decode_bytes_per_step
+from app.core.sampling import SamplingParams
 
 PROMPT = "Which city is the capital of France? Answer, then describe the city in a few paragraphs."
 

@@ -21,13 +21,13 @@ from typing import Any, Mapping
 import torch
 
 from app.errors import InvalidRequest
+from app.models.loading import GENERATION_CONFIG_KEYS
 
 # Used when neither the request nor the model's generation_config.json says otherwise (OpenAI's defaults).
 BUILTIN_DEFAULTS: dict[str, Any] = dict(
     do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0
 )
-# The generation_config.json keys that map onto SamplingParams fields.
-GENERATION_CONFIG_KEYS = tuple(BUILTIN_DEFAULTS)
+assert set(BUILTIN_DEFAULTS) == set(GENERATION_CONFIG_KEYS), "every model default needs a built-in one"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""What is loaded: model loading, fetching the embedded models, weight prepacking."""
