@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype")
     gen.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None)
     gen.add_argument("--show-logits", nargs="?", const=5, type=int, metavar="K",
-                     help="print each step's top K candidates after the processors (default 5)")
+                     help="print each step's top K candidates with their probability at every stage: raw, "
+                          "penalties, temperature, top_k, top_p, min_p (default 5)")
 
     fetch = commands.add_parser("fetch-model", help="download and convert an embedded model")
     fetch.add_argument("names", nargs="*", help="embedded model names (default: $MODEL or the default model)")

@@ -11,7 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
-from app.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                 default_sampling)
 from app.openai.serving import CompletionServing
 from app.state import ServerState
 
@@ -92,9 +93,11 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 @router.get("/v1/models")
 async def list_models(state: State) -> dict:
     lm = state.lm
-    return {"object": "list", "data": [{
-        "id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
-        "max_model_len": lm.max_context if lm else state.settings.max_model_len}]}
+    model = {"id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
+             "max_model_len": lm.max_context if lm else state.settings.max_model_len}
+    if lm:
+        model["sampling_defaults"] = default_sampling(lm.generation_defaults)
+    return {"object": "list", "data": [model]}
 
 
 @router.post("/tokenize")

@@ -8,16 +8,21 @@ import sys
 
 from app.config import Settings
 from app.core.generate import generate
+from app.core.sampling import MAX_INSPECT, Inspection, resolve_sampling_params
+from app.errors import InvalidRequest
 from app.models.loading import load_model
-from app.core.sampling import resolve_sampling_params
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "max_tokens", "seed", "stop")
 
 
 def run_generate(args: argparse.Namespace, settings: Settings) -> int:
+    show = args.show_logits or 0
+    if args.show_logits is not None and not 1 <= show <= MAX_INSPECT:
+        raise InvalidRequest(f"--show-logits takes 1 to {MAX_INSPECT} candidates, got {show}", param="--show-logits")
     lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    request["inspect"] = show
     params = resolve_sampling_params(request, lm.generation_defaults)
     if args.raw:
         prompt_ids = lm.encode_text(args.prompt)
@@ -26,14 +31,23 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
         prompt_ids = lm.encode_chat(messages + [{"role": "user", "content": args.prompt}])
     print(f"# {lm.name} on {lm.device} ({lm.dtype}), prompt {len(prompt_ids)} tokens", file=sys.stderr)
     print(f"# sampling: {json.dumps(params.effective())}", file=sys.stderr)
-    show = args.show_logits or 0
-    for step, event in enumerate(generate(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context,
-                                          show_candidates=show)):
+    for step, event in enumerate(generate(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)):
         if show:
-            candidates = "  ".join(f"{lm.tokenizer.decode([t])!r} {p:.3f}" for t, p in event.candidates)
-            print(f"step {step:3d} -> {lm.tokenizer.decode([event.token_id])!r:14}| {candidates}")
+            print(f"step {step:3d} -> {lm.tokenizer.decode([event.token_id])!r}")
+            print(format_inspection(event.inspection, lm.tokenizer))
         else:
             print(event.text, end="", flush=True)
         if event.finish_reason:
             print(f"\n# finish_reason: {event.finish_reason}, {step + 1} tokens", file=sys.stderr)
     return 0
+
+
+def format_inspection(inspection: Inspection, tokenizer) -> str:
+    """One row per candidate, one column per stage; `*` marks the drawn token, `-` a stage that cut a token."""
+    widths = [max(len(name), 5) + 2 for name in inspection.stages]
+    lines = ["      " + " " * 18 + "".join(f"{name:>{w}}" for name, w in zip(inspection.stages, widths))]
+    for token_id, probs in zip(inspection.token_ids, inspection.probs):
+        mark = "*" if token_id == inspection.chosen else " "
+        cells = "".join(f"{p:>{w}.3f}" if p > 0 else f"{'-':>{w}}" for p, w in zip(probs, widths))
+        lines.append(f"    {mark} {repr(tokenizer.decode([token_id]))[:18]:<18}{cells}")
+    return "\n".join(lines)

@@ -47,7 +47,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     app.include_router(router)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["x-sampling-params"])
     app.add_middleware(AccessAndLimits, state=state)
     install_error_handlers(app)
     return app

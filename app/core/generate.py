@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from app.core.batching import PackedCaches, packed_inputs
 from app.core.detokenize import IncrementalDetokenizer
 from app.errors import InvalidRequest
-from app.core.sampling import SamplingParams, make_generator, process_logits, sample
+from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
 from app.core.stopping import StopStringFilter, token_finish_reason
 
 
@@ -36,7 +36,7 @@ class TokenEvent:
     text: str  # newly visible text; "" while a character or a possible stop string is incomplete
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    candidates: list[tuple[int, float]] | None = None  # top probabilities after the processors (--show-logits)
+    inspection: Inspection | None = None  # each stage's top candidates, when params.inspect asks for them
     finish_reason: str | None = None  # "stop" | "length" on the last event
 
 
@@ -59,7 +59,7 @@ class Sequence:
     """Everything one request owns: its tokens, KV cache, random generator, detokenizer and stop state."""
 
     def __init__(self, model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
-                 max_context: int, show_candidates: int = 0):
+                 max_context: int):
         self.params = params
         self.max_new_tokens = check_request(prompt_ids, params, model.config.vocab_size, max_context)
         self.prompt_len = len(prompt_ids)
@@ -75,7 +75,7 @@ class Sequence:
         self.banned_until_min = list(self.eos_ids) if params.min_tokens and not params.ignore_eos else []
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop_filter = StopStringFilter(params.stop)
-        self.show_candidates = show_candidates
+        self.stages: list[tuple[str, torch.Tensor]] | None = None  # the last pick's stages, when inspecting
         self.finish_reason: str | None = None
 
     @property
@@ -95,7 +95,7 @@ class Sequence:
         """Greedy with nothing to apply first: the next token is the argmax of the raw logits."""
         p = self.params
         return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-                and not p.logit_bias and not self._banned())
+                and not p.logit_bias and not p.inspect and not self._banned())
 
     def _banned(self) -> list[int]:
         return self.banned_until_min if self.n_generated < self.params.min_tokens else []
@@ -104,13 +104,14 @@ class Sequence:
         """logits: [1, vocab] raw scores for the next position -> the chosen token as an event."""
         return choose_many([self], logits)[0]
 
-    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [1, vocab] -> (token [1], processed scores [1, vocab]), on the device: nothing waits for it."""
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [1, vocab] -> the token [1], on the device: nothing waits for it."""
+        self.stages = [] if self.params.inspect else None
         scores = process_logits(logits, self.params, self.token_ids[:, : self.length],
-                                self.token_ids[:, self.prompt_len : self.length], self._banned())
-        return sample(scores, self.params, self.generator), scores
+                                self.token_ids[:, self.prompt_len : self.length], self._banned(), self.stages)
+        return sample(scores, self.params, self.generator)
 
-    def accept(self, token_id: int, logits: torch.Tensor, scores: torch.Tensor | None = None) -> TokenEvent:
+    def accept(self, token_id: int, logits: torch.Tensor) -> TokenEvent:
         """Append the chosen token and turn it into an event: logprobs if asked, text, stop checks."""
         self.token_ids[:, self.length] = token_id
         self.length += 1
@@ -121,9 +122,8 @@ class Sequence:
             if self.params.top_logprobs:
                 top = logprobs.topk(self.params.top_logprobs)
                 event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-        if self.show_candidates:
-            top = (logits if scores is None else scores).softmax(dim=-1)[0].topk(self.show_candidates)
-            event.candidates = list(zip(top.indices.tolist(), top.values.tolist()))
+        if self.stages:
+            event.inspection = inspect_stages(self.stages, token_id, self.params.inspect)
         return self._finish_event(event)
 
     def _finish_event(self, event: TokenEvent) -> TokenEvent:
@@ -160,14 +160,13 @@ def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None
     tokens = logits.argmax(dim=-1)  # [B]: the answer for plain greedy rows; the other rows are overwritten below
     sampled = [row for row, seq in enumerate(seqs) if not seq.plain_greedy]
 
-    def pick(row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pick(row: int) -> torch.Tensor:
         return seqs[row].pick(logits[row : row + 1])
 
     picked = pool.map(pick, sampled) if pool is not None and len(sampled) > 1 else map(pick, sampled)
-    scores: dict[int, torch.Tensor] = {}
-    for row, (token, row_scores) in zip(sampled, picked):
-        tokens[row : row + 1], scores[row] = token, row_scores
-    return [seq.accept(token_id, logits[row : row + 1], scores.get(row))
+    for row, token in zip(sampled, picked):
+        tokens[row : row + 1] = token
+    return [seq.accept(token_id, logits[row : row + 1])
             for row, (seq, token_id) in enumerate(zip(seqs, tokens.tolist()))]
 
 
@@ -213,9 +212,9 @@ def forward_many(model, work: list[tuple[Sequence, int]]) -> torch.Tensor:
 
 
 def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
-             max_context: int, show_candidates: int = 0) -> Iterator[TokenEvent]:
+             max_context: int) -> Iterator[TokenEvent]:
     """Stream one request's tokens. Stop iterating at any time to cancel; the cache goes with the Sequence."""
-    seq = Sequence(model, tokenizer, prompt_ids, params, eos_ids, max_context, show_candidates)
+    seq = Sequence(model, tokenizer, prompt_ids, params, eos_ids, max_context)
     logits = prefill(model, seq)  # 1) prefill
     while True:
         event = seq.choose(logits)  # 2) choose + 3) detokenize and check stop rules

@@ -10,6 +10,9 @@ The first three shape the scores whatever the decoding mode; the rest only matte
 argmax, which temperature, top-k, top-p and min-p cannot change). Semantics follow
 `transformers.generation.logits_process` (repetition penalty over prompt *and* output, HF-style) and the OpenAI API
 (presence and frequency penalties over the output only). Tests compare each function with HF's own.
+
+`process_logits` can also hand back each stage's scores as it goes, and `inspect_stages` turns them into the token
+inspector's table (the playground, `--show-logits`): the record of the pass that chose the token, not a re-run.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = dict(
     do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0
 )
 assert set(BUILTIN_DEFAULTS) == set(GENERATION_CONFIG_KEYS), "every model default needs a built-in one"
+MAX_INSPECT = 20
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    inspect: int = 0  # > 0: record that many top candidates at every stage of the pipeline (costs time; opt-in)
     do_sample: bool = True
 
     def __post_init__(self) -> None:
@@ -68,6 +73,7 @@ class SamplingParams:
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]")
+        check(0 <= self.inspect <= MAX_INSPECT, "inspect", f"must be in [0, {MAX_INSPECT}] candidates")
 
     @property
     def greedy(self) -> bool:
@@ -174,18 +180,57 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor,
-                   output_ids: torch.Tensor, banned_ids: list[int] = ()) -> torch.Tensor:
-    """The whole pipeline, in the documented order. seen_ids: prompt + output [B, T]; output_ids: [B, N]."""
+                   output_ids: torch.Tensor, banned_ids: list[int] = (),
+                   stages: list[tuple[str, torch.Tensor]] | None = None) -> torch.Tensor:
+    """The whole pipeline, in the documented order. seen_ids: prompt + output [B, T]; output_ids: [B, N].
+
+    `stages`, when given, receives (name, scores) after each stage: the token inspector's record of this very pass.
+    """
+    def stage(name: str, scores: torch.Tensor) -> torch.Tensor:
+        if stages is not None:
+            stages.append((name, scores))
+        return scores
+
+    stage("raw", logits)
+    # repetition, presence and frequency penalties, logit_bias and tokens banned before min_tokens: one stage
     logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     logits = apply_presence_frequency_penalty(logits, output_ids, params.presence_penalty, params.frequency_penalty)
     logits = apply_logit_bias(logits, params.logit_bias)
-    logits = suppress_tokens(logits, list(banned_ids))
+    logits = stage("penalties", suppress_tokens(logits, list(banned_ids)))
     if params.greedy:
         return logits
-    logits = apply_temperature(logits, params.temperature)
-    logits = apply_top_k(logits, params.top_k)
-    logits = apply_top_p(logits, params.top_p)
-    return apply_min_p(logits, params.min_p)
+    logits = stage("temperature", apply_temperature(logits, params.temperature))
+    logits = stage("top_k", apply_top_k(logits, params.top_k))
+    logits = stage("top_p", apply_top_p(logits, params.top_p))
+    return stage("min_p", apply_min_p(logits, params.min_p))
+
+
+@dataclass
+class Inspection:
+    """What the pipeline did to the best candidates for one token: probabilities [candidate][stage].
+
+    Candidates are the `top` best tokens after the penalties, the order every later stage keeps (temperature keeps
+    the order, top-k/top-p/min-p only cut its tail), plus the drawn token if it ranks lower. Tokens that are
+    impossible there (probability 0) are never listed. A probability of 0 at a later stage means that stage cut it.
+    """
+
+    stages: list[str]
+    token_ids: list[int]
+    probs: list[list[float]]
+    chosen: int
+
+
+def inspect_stages(stages: list[tuple[str, torch.Tensor]], chosen: int, top: int) -> Inspection:
+    """stages: (name, scores [1, vocab]) from `process_logits` -> the top candidates' probability at each stage."""
+    names = [name for name, _ in stages]
+    probs = torch.stack([scores[0].softmax(dim=-1) for _, scores in stages])  # [stages, vocab]
+    ranking = probs[names.index("penalties")]
+    best = ranking.topk(min(top, ranking.shape[-1]))
+    ids = best.indices[best.values > 0].tolist()
+    if chosen not in ids:
+        ids.append(chosen)
+    table = probs[:, ids].T  # [candidates, stages]
+    return Inspection(stages=names, token_ids=ids, probs=table.tolist(), chosen=chosen)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import InvalidRequest
-from app.core.sampling import SamplingParams, resolve_sampling_params
+from app.core.sampling import MAX_INSPECT, SamplingParams, resolve_sampling_params
 
 MAX_STOP_STRINGS = 16
 MAX_N = 8
@@ -41,6 +41,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class InspectOptions(BaseModel):
+    """`"inspect": {"top": 10}`: stream each token's top candidates at every sampling stage (off by default)."""
+
+    model_config = ConfigDict(extra="forbid")
+    top: int = Field(default=10, ge=1, le=MAX_INSPECT)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and legacy completions. Ranges are checked once, by SamplingParams."""
 
@@ -62,6 +69,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    inspect: InspectOptions | None = None  # ours: the token inspector (the playground, docs/walkthrough.md)
     user: str | None = None
 
     @field_validator("stop")
@@ -111,7 +119,7 @@ class _SamplingFields(BaseModel):
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "stop": self.stop, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-            "logprobs": logprobs, "top_logprobs": top_logprobs,
+            "logprobs": logprobs, "top_logprobs": top_logprobs, "inspect": self.inspect.top if self.inspect else 0,
             # choices of one request must differ, yet stay reproducible for a fixed seed
             "seed": None if self.seed is None else self.seed + choice_index,
         }
@@ -177,6 +185,14 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+def default_sampling(model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """What a request that sets nothing gets (generation_config.json over the built-in defaults), for clients
+    such as the playground to show; `do_sample: false` means greedy whatever the temperature says."""
+    effective = resolve_sampling_params({}, model_defaults).effective()
+    return {k: effective[k] for k in ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                      "presence_penalty", "frequency_penalty")}
 
 
 def new_id(prefix: str) -> str:

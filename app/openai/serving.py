@@ -24,7 +24,7 @@ from app.errors import ModelNotFound, ServeError
 from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from app.core.sampling import SamplingParams
+from app.core.sampling import Inspection, SamplingParams
 
 log = logging.getLogger("app.openai.serving")
 SSE_PING_S = 15
@@ -44,6 +44,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     tokens: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    inspect: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -125,6 +126,8 @@ class CompletionServing:
         choice.text.append(event.text)
         if event.logprob is not None:
             choice.logprobs.append(event_logprobs(self.lm.tokenizer, event))
+        if event.inspection is not None:
+            choice.inspect.append(inspect_entry(self.lm.tokenizer, event.inspection))
         choice.finish_reason = event.finish_reason or choice.finish_reason
 
     def _full_response(self, response_id: str, obj: str, chat: bool, choices: list[Choice],
@@ -140,6 +143,8 @@ class CompletionServing:
             else:
                 item["text"] = text
                 item["logprobs"] = legacy_logprobs(c.logprobs) if c.handle.params.logprobs else None
+            if c.handle.params.inspect:
+                item["inspect"] = c.inspect
             out_choices.append(item)
         return {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
                 "system_fingerprint": self.fingerprint, "choices": out_choices,
@@ -165,7 +170,8 @@ class CompletionServing:
                                   "logprobs": None, "finish_reason": None}])
             async for c, event in merge_events(choices):
                 self._add(c, event)
-                if not event.text and event.finish_reason is None and event.logprob is None:
+                if (not event.text and event.finish_reason is None and event.logprob is None
+                        and event.inspection is None):
                     continue  # an incomplete character or a possible stop string: nothing to show yet
                 logprobs = [c.logprobs[-1]] if event.logprob is not None else None
                 if chat:
@@ -177,6 +183,8 @@ class CompletionServing:
                     payload = {"index": c.index, "text": event.text,
                                "logprobs": legacy_logprobs(logprobs) if logprobs else None,
                                "finish_reason": event.finish_reason}
+                if event.inspection is not None:
+                    payload["inspect"] = c.inspect[-1]
                 yield chunk([payload])
             finished = True
             if include_usage:
@@ -247,6 +255,14 @@ def event_logprobs(tokenizer, event: TokenEvent) -> dict[str, Any]:
     entry = token_entry(tokenizer, event.token_id, event.logprob)
     entry["top_logprobs"] = [token_entry(tokenizer, t, lp) for t, lp in (event.top_logprobs or [])]
     return entry
+
+
+def inspect_entry(tokenizer, inspection: Inspection) -> dict[str, Any]:
+    """The token inspector's wire shape: `probs[i]` is the candidate's probability after `stages[i]`."""
+    return {"token": {"id": inspection.chosen, "text": tokenizer.decode([inspection.chosen])},
+            "stages": inspection.stages,
+            "candidates": [{"id": t, "text": tokenizer.decode([t]), "probs": [round(p, 6) for p in probs]}
+                           for t, probs in zip(inspection.token_ids, inspection.probs)]}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
