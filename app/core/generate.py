@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from app.core.batching import PackedCaches, packed_inputs
 from app.core.detokenize import IncrementalDetokenizer
+from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
 from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
 from app.core.stopping import StopStringFilter, token_finish_reason
@@ -77,6 +78,8 @@ class Sequence:
         self.stop_filter = StopStringFilter(params.stop)
         self.stages: list[tuple[str, torch.Tensor]] | None = None  # the last pick's stages, when inspecting
         self.finish_reason: str | None = None
+        # a reasoning model's thinking: once its budget is spent, the tokens that close it are forced
+        self.preamble = PreambleState(params.preamble) if params.preamble is not None else None
 
     @property
     def n_generated(self) -> int:
@@ -97,6 +100,9 @@ class Sequence:
         return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 and not p.logit_bias and not p.inspect and not self._banned())
 
+    def forced_token(self) -> int | None:
+        return self.preamble.forced_token() if self.preamble is not None else None
+
     def _banned(self) -> list[int]:
         return self.banned_until_min if self.n_generated < self.params.min_tokens else []
 
@@ -115,6 +121,8 @@ class Sequence:
         """Append the chosen token and turn it into an event: logprobs if asked, text, stop checks."""
         self.token_ids[:, self.length] = token_id
         self.length += 1
+        if self.preamble is not None:
+            self.preamble.observe(token_id, self.n_generated)
         event = TokenEvent(token_id=token_id, text="")
         if self.params.logprobs:
             logprobs = logits.log_softmax(dim=-1)[0]  # OpenAI and vLLM report the model's own distribution
@@ -158,7 +166,8 @@ def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None
     37 ms one after another and 28 ms on 2 workers here. Each row's result is the same either way.
     """
     tokens = logits.argmax(dim=-1)  # [B]: the answer for plain greedy rows; the other rows are overwritten below
-    sampled = [row for row, seq in enumerate(seqs) if not seq.plain_greedy]
+    forced = {row: token for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None}
+    sampled = [row for row, seq in enumerate(seqs) if not seq.plain_greedy and row not in forced]
 
     def pick(row: int) -> torch.Tensor:
         return seqs[row].pick(logits[row : row + 1])
@@ -166,6 +175,8 @@ def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None
     picked = pool.map(pick, sampled) if pool is not None and len(sampled) > 1 else map(pick, sampled)
     for row, token in zip(sampled, picked):
         tokens[row : row + 1] = token
+    for row, token in forced.items():  # a spent thinking budget: these tokens come whatever the logits say
+        tokens[row], seqs[row].stages = token, None  # not drawn, so nothing to inspect
     return [seq.accept(token_id, logits[row : row + 1])
             for row, (seq, token_id) in enumerate(zip(seqs, tokens.tolist()))]
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
+from app.core.preamble import Preamble
 from app.errors import InvalidRequest
 from app.models.loading import GENERATION_CONFIG_KEYS
 
@@ -53,6 +54,7 @@ class SamplingParams:
     top_logprobs: int = 0
     inspect: int = 0  # > 0: record that many top candidates at every stage of the pipeline (costs time; opt-in)
     do_sample: bool = True
+    preamble: Preamble | None = None  # a reasoning model's thinking: its end marker and token budget
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, why: str) -> None:
@@ -87,7 +89,10 @@ class SamplingParams:
 
     def effective(self) -> dict[str, Any]:
         """What will actually be used, for the `x-sampling-params` header and `--show-logits`."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("logit_bias", "stop")}
+        skip = ("logit_bias", "stop", "preamble")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        if self.preamble is not None:
+            out["preamble_budget"] = self.preamble.budget
         out["stop"] = list(self.stop)
         out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return out

@@ -14,9 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import InvalidRequest
 from app.core.sampling import MAX_INSPECT, SamplingParams, resolve_sampling_params
+from app.openai.reasoning import ReasoningFormat, reasoning_budget
 
 MAX_STOP_STRINGS = 16
 MAX_N = 8
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict",
+                                    "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})
 
 
 class TextPart(BaseModel):
@@ -29,6 +34,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an earlier answer's thinking (vLLM accepts both names); Qwen3's template keeps it for the latest turn only
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -110,8 +118,13 @@ class _SamplingFields(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0) -> SamplingParams:
-        """Request fields -> SamplingParams: the one place the wire format meets the engine."""
+    def _preamble(self, reasoning: ReasoningFormat | None):
+        return None  # only chat answers think
+
+    def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0,
+                           reasoning: ReasoningFormat | None = None) -> SamplingParams:
+        """Request fields -> SamplingParams: the one place the wire format meets the engine. `reasoning`: how the
+        served model marks its thinking, or None for a model that does not think."""
         self.unsupported_fields()
         logprobs, top_logprobs = self._logprob_settings()
         fields: dict[str, Any] = {
@@ -122,6 +135,7 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs, "top_logprobs": top_logprobs, "inspect": self.inspect.top if self.inspect else 0,
             # choices of one request must differ, yet stay reproducible for a fixed seed
             "seed": None if self.seed is None else self.seed + choice_index,
+            "preamble": self._preamble(reasoning),
         }
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             fields["top_k"] = 0
@@ -138,6 +152,36 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # the chat template's own switches, e.g. {"enable_thinking": false} for Qwen3 (as in vLLM and llama.cpp)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a cap on a reasoning model's thinking, in tokens; `reasoning_effort` (OpenAI's) maps to one
+    max_reasoning_tokens: int | None = None
+    reasoning_effort: str | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        for name in kwargs:
+            if name in RESERVED_TEMPLATE_ARGS:
+                raise InvalidRequest(f"chat_template_kwargs may not set {name!r}; the server sets it",
+                                     param=f"chat_template_kwargs.{name}")
+        if self.reasoning_effort == "none":  # OpenAI's "no reasoning at all": Qwen3's switch for it
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
+
+    def thinking(self) -> bool:
+        """Qwen3 thinks unless its template is told not to."""
+        return self.template_kwargs().get("enable_thinking", True) is not False
+
+    def _preamble(self, reasoning: ReasoningFormat | None):
+        if reasoning is None:
+            for name in ("max_reasoning_tokens", "reasoning_effort"):
+                if getattr(self, name) is not None:
+                    raise InvalidRequest(f"`{name}` needs a reasoning model; this model does not think", param=name)
+            return None
+        if not self.thinking():
+            return None
+        effort = None if self.reasoning_effort == "none" else self.reasoning_effort
+        return reasoning.preamble(reasoning_budget(self.max_reasoning_tokens, effort))
 
     def _logprob_settings(self) -> tuple[bool, int]:
         if self.top_logprobs and not self.logprobs:
@@ -149,7 +193,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.role == "assistant" and (m.reasoning_content or m.reasoning):
+                message["reasoning_content"] = m.reasoning_content or m.reasoning
+            messages.append(message)
+        return messages
 
 
 class CompletionRequest(_SamplingFields):

@@ -24,6 +24,7 @@ from app.errors import ModelNotFound, ServeError
 from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.openai.reasoning import ReasoningSplitter, reasoning_format
 from app.core.sampling import Inspection, SamplingParams
 
 log = logging.getLogger("app.openai.serving")
@@ -36,16 +37,42 @@ def error_body(err: ServeError) -> dict[str, Any]:
 
 
 @dataclass
+class Delta:
+    """What one token event adds to a choice, as the client sees it: thinking first, then the answer."""
+
+    reasoning: str = ""
+    content: str = ""
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    inspect: dict[str, Any] | None = None  # the token inspector's stages, when asked for
+
+    @property
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.logprobs or self.finish_reason or self.inspect)
+
+
+@dataclass
 class Choice:
-    """What one choice has produced so far."""
+    """What one choice has produced so far. `splitter` is set for a reasoning model's chat answers."""
 
     index: int
     handle: RequestHandle
-    text: list[str] = field(default_factory=list)
+    splitter: ReasoningSplitter | None = None
+    text: list[str] = field(default_factory=list)  # the answer (content)
+    reasoning: list[str] = field(default_factory=list)
     tokens: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     inspect: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The chat `message`: a reasoning model's answer also carries its thinking, under both names."""
+        content = "".join(self.text)
+        if self.splitter is None:
+            return {"role": "assistant", "content": content}
+        reasoning = "".join(self.reasoning) or None
+        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning,
+                "reasoning": reasoning}
 
 
 class CompletionServing:
@@ -55,11 +82,15 @@ class CompletionServing:
         self.model_id = model_id
         # stable across restarts (str hash() is salted per process): changes only with the model and dtype
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
+        self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        prompt_ids = self.lm.encode_chat(body.chat_messages())
+        prompt_ids = self.encode_chat(body)
         return await self._serve(body, request, prompt_ids, chat=True)
+
+    def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        return self.lm.encode_chat(body.chat_messages(), body.template_kwargs())
 
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
@@ -70,11 +101,19 @@ class CompletionServing:
         if model != self.model_id:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
-    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
-        params = [body.to_sampling_params(self.lm.generation_defaults, i) for i in range(body.n)]
-        choices = self._submit(prompt_ids, params)
+    def start(self, body, request: Request, prompt_ids: list[int], chat: bool) -> tuple[list[Choice], dict]:
+        """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
+        Chat completions and the Responses API both come through here."""
+        reasoning = self.reasoning if chat else None
+        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning) for i in range(body.n)]
+        thinking = body.thinking() if reasoning is not None else None
+        choices = self._submit(prompt_ids, params, thinking)
         request.state.prompt_tokens = len(prompt_ids)
         headers = {"x-sampling-params": json.dumps(params[0].effective(), ensure_ascii=True, default=str)}
+        return choices, headers
+
+    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
+        choices, headers = self.start(body, request, prompt_ids, chat)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         response_id = new_id(kind[0])
         request.state.request_id = response_id
@@ -83,20 +122,16 @@ class CompletionServing:
             events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request)
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return EventSourceResponse(events, ping=SSE_PING_S, headers=headers)
-        try:
-            await self._collect(choices, request)
-        finally:
-            for choice in choices:
-                choice.handle.cancel()  # no-op when finished; frees the cache when the client left
-        record_timing(request, choices)
+        await self.collect(choices, request)
         return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids)),
                             headers=headers)
 
-    def _submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Choice]:
+    def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None) -> list[Choice]:
         choices: list[Choice] = []
         try:
             for i, p in enumerate(params):
-                choices.append(Choice(i, self.engine.submit(prompt_ids, p)))
+                splitter = ReasoningSplitter(thinking) if thinking is not None else None
+                choices.append(Choice(i, self.engine.submit(prompt_ids, p), splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running
                 choice.handle.cancel()
@@ -104,6 +139,14 @@ class CompletionServing:
         return choices
 
     # ---- non-streaming ----
+
+    async def collect(self, choices: list[Choice], request: Request) -> None:
+        try:
+            await self._collect(choices, request)
+        finally:
+            for choice in choices:
+                choice.handle.cancel()  # no-op when finished; frees the cache when the client left
+        record_timing(request, choices)
 
     async def _collect(self, choices: list[Choice], request: Request) -> None:
         """Gather every choice's events, and give up (cancelling them) if the client disconnects."""
@@ -121,14 +164,35 @@ class CompletionServing:
         async for event in choice.handle:
             self._add(choice, event)
 
-    def _add(self, choice: Choice, event: TokenEvent) -> None:
+    def _add(self, choice: Choice, event: TokenEvent) -> Delta:
+        """Record one token event in its choice; return what it shows the client."""
         choice.tokens += 1
-        choice.text.append(event.text)
+        reasoning, content = "", event.text
+        if choice.splitter is not None:
+            reasoning, content = choice.splitter.feed(event.text)
+            if event.finish_reason is not None:
+                more_reasoning, more_content = choice.splitter.flush()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        choice.reasoning.append(reasoning)
+        choice.text.append(content)
+        logprobs = None
         if event.logprob is not None:
-            choice.logprobs.append(event_logprobs(self.lm.tokenizer, event))
+            logprobs = event_logprobs(self.lm.tokenizer, event)
+            choice.logprobs.append(logprobs)
+        inspect = None
         if event.inspection is not None:
-            choice.inspect.append(inspect_entry(self.lm.tokenizer, event.inspection))
+            inspect = inspect_entry(self.lm.tokenizer, event.inspection)
+            choice.inspect.append(inspect)
         choice.finish_reason = event.finish_reason or choice.finish_reason
+        return Delta(reasoning, content, logprobs, event.finish_reason, inspect)
+
+    async def deltas(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Every choice's deltas in arrival order, skipping events that show nothing yet (an incomplete character,
+        a possible stop string, a tag)."""
+        async for choice, event in merge_events(choices):
+            delta = self._add(choice, event)
+            if not delta.empty:
+                yield choice, delta
 
     def _full_response(self, response_id: str, obj: str, chat: bool, choices: list[Choice],
                        prompt_tokens: int) -> dict[str, Any]:
@@ -138,7 +202,7 @@ class CompletionServing:
             text = "".join(c.text)
             item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
             if chat:
-                item["message"] = {"role": "assistant", "content": text}
+                item["message"] = c.message()
                 item["logprobs"] = {"content": c.logprobs} if c.handle.params.logprobs else None
             else:
                 item["text"] = text
@@ -168,23 +232,23 @@ class CompletionServing:
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-            async for c, event in merge_events(choices):
-                self._add(c, event)
-                if (not event.text and event.finish_reason is None and event.logprob is None
-                        and event.inspection is None):
-                    continue  # an incomplete character or a possible stop string: nothing to show yet
-                logprobs = [c.logprobs[-1]] if event.logprob is not None else None
-                if chat:
-                    delta = {"content": event.text} if event.text else {}
-                    payload = {"index": c.index, "delta": delta,
-                               "logprobs": {"content": logprobs} if logprobs else None,
-                               "finish_reason": event.finish_reason}
-                else:
-                    payload = {"index": c.index, "text": event.text,
+            async for c, delta in self.deltas(choices):
+                logprobs = [delta.logprobs] if delta.logprobs is not None else None
+                if not chat:
+                    payload = {"index": c.index, "text": delta.content,
                                "logprobs": legacy_logprobs(logprobs) if logprobs else None,
-                               "finish_reason": event.finish_reason}
-                if event.inspection is not None:
-                    payload["inspect"] = c.inspect[-1]
+                               "finish_reason": delta.finish_reason}
+                else:
+                    if delta.reasoning:  # the thinking goes out first, in a chunk of its own
+                        yield chunk([{"index": c.index, "logprobs": None, "finish_reason": None,
+                                      "delta": {"reasoning_content": delta.reasoning, "reasoning": delta.reasoning}}])
+                        if not (delta.content or logprobs or delta.finish_reason or delta.inspect):
+                            continue
+                    payload = {"index": c.index, "delta": {"content": delta.content} if delta.content else {},
+                               "logprobs": {"content": logprobs} if logprobs else None,
+                               "finish_reason": delta.finish_reason}
+                if delta.inspect is not None:
+                    payload["inspect"] = delta.inspect
                 yield chunk([payload])
             finished = True
             if include_usage:
