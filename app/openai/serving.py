@@ -154,11 +154,10 @@ class CompletionServing:
         while not gather.done():
             await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
             if not gather.done() and await request.is_disconnected():
-                gather.cancel()
+                gather.cancel()  # takes effect later: asking for its result now would raise InvalidStateError
                 request.state.cancelled = True
-                break
-        if not gather.cancelled():
-            gather.result()  # re-raise a mid-generation failure as its HTTP error
+                return
+        gather.result()  # re-raise a mid-generation failure as its HTTP error
 
     async def _drain(self, choice: Choice) -> None:
         async for event in choice.handle:
