@@ -48,12 +48,12 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Render with the tokenizer's own chat template, ending in the assistant's turn. `template_kwargs` are the
-        template's own switches, such as Qwen3's `enable_thinking`."""
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                  **(template_kwargs or {}))
+    def encode_chat(self, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render with the tokenizer's own chat template (and its way of showing `tools`), ending in the assistant's
+        turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`."""
+        text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                  add_generation_prompt=True, **(template_kwargs or {}))
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:

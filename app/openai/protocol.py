@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.errors import InvalidRequest
 from app.core.sampling import MAX_INSPECT, SamplingParams, resolve_sampling_params
 from app.openai.reasoning import ReasoningFormat, reasoning_budget
+from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
 MAX_STOP_STRINGS = 16
 MAX_N = 8
@@ -31,9 +32,11 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this answers
     # an earlier answer's thinking (vLLM accepts both names); Qwen3's template keeps it for the latest turn only
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -147,7 +150,7 @@ class _SamplingFields(BaseModel):
         return resolve_sampling_params({k: v for k, v in fields.items() if v is not None}, model_defaults)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -191,13 +194,17 @@ class ChatCompletionRequest(_SamplingFields):
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
         messages = []
-        for m in self.messages:
-            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.role == "assistant" and (m.reasoning_content or m.reasoning):
                 message["reasoning_content"] = m.reasoning_content or m.reasoning
+            if m.tool_calls:
+                message["tool_calls"] = template_tool_calls(m.tool_calls, f"messages.{i}")
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
         return messages
 

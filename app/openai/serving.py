@@ -17,14 +17,16 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from app.core.engine import Engine, RequestHandle
-from app.errors import ModelNotFound, ServeError
+from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.tools import ToolCallDelta, ToolCallParser, make_parser, tool_format
 from app.core.sampling import Inspection, SamplingParams
 
 log = logging.getLogger("app.openai.serving")
@@ -45,10 +47,12 @@ class Delta:
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     inspect: dict[str, Any] | None = None  # the token inspector's stages, when asked for
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # after the content, when tools are parsed
 
     @property
     def empty(self) -> bool:
-        return not (self.reasoning or self.content or self.logprobs or self.finish_reason or self.inspect)
+        return not (self.reasoning or self.content or self.logprobs or self.finish_reason or self.inspect
+                    or self.tool_calls)
 
 
 @dataclass
@@ -64,15 +68,37 @@ class Choice:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     inspect: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    parser: ToolCallParser | None = None  # set when the answer is searched for tool calls
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index, as parsed so far
 
     def message(self) -> dict[str, Any]:
-        """The chat `message`: a reasoning model's answer also carries its thinking, under both names."""
+        """The chat `message`: a reasoning model's answer also carries its thinking, under both names; with tools,
+        the calls, and content only if there is some."""
         content = "".join(self.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.parser is not None:
+            message["content"] = content if content.strip() else None
+            if self.tool_calls:
+                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         if self.splitter is None:
-            return {"role": "assistant", "content": content}
+            return message
         reasoning = "".join(self.reasoning) or None
-        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning,
+        return {**message, "content": message["content"] or None, "reasoning_content": reasoning,
                 "reasoning": reasoning}
+
+    def parse_tools(self, content: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """Content deltas through the tool-call parser: (what stays content, call deltas)."""
+        items = self.parser.feed(content) if content else []
+        if finished:
+            items += self.parser.finish()
+        calls = [i for i in items if isinstance(i, ToolCallDelta)]
+        for d in calls:
+            if d.id is not None:
+                self.tool_calls[d.index] = {"id": d.id, "type": "function",
+                                            "function": {"name": d.name, "arguments": d.arguments}}
+            else:
+                self.tool_calls[d.index]["function"]["arguments"] += d.arguments
+        return "".join(i for i in items if isinstance(i, str)), calls
 
 
 class CompletionServing:
@@ -83,6 +109,7 @@ class CompletionServing:
         # stable across restarts (str hash() is salted per process): changes only with the model and dtype
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
         self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
+        self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -90,7 +117,17 @@ class CompletionServing:
         return await self._serve(body, request, prompt_ids, chat=True)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        return self.lm.encode_chat(body.chat_messages(), body.template_kwargs())
+        body.check_tools()
+        if body.forced_tools or body.json_format:
+            param = "tool_choice" if body.forced_tools else "response_format"
+            raise InvalidRequest(f"`{param}` needs constrained decoding, which is not built yet", param=param)
+        if body.tools and self.tool_format is None:
+            raise InvalidRequest(f"the chat template of {self.model_id!r} cannot show tools to the model, so "
+                                 "`tools` cannot be served", param="tools")
+        try:
+            return self.lm.encode_chat(body.chat_messages(), body.template_kwargs(), tools=body.template_tools())
+        except TemplateError as err:  # e.g. a template that insists on alternating roles
+            raise InvalidRequest(f"the chat template rejected these messages: {err}", param="messages") from err
 
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
@@ -108,6 +145,9 @@ class CompletionServing:
         params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning) for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
         choices = self._submit(prompt_ids, params, thinking)
+        if chat and body.parse_tools:
+            for choice in choices:
+                choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls)
         request.state.prompt_tokens = len(prompt_ids)
         headers = {"x-sampling-params": json.dumps(params[0].effective(), ensure_ascii=True, default=str)}
         return choices, headers
@@ -172,6 +212,12 @@ class CompletionServing:
             if event.finish_reason is not None:
                 more_reasoning, more_content = choice.splitter.flush()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[ToolCallDelta] = []
+        finish_reason = event.finish_reason
+        if choice.parser is not None:
+            content, calls = choice.parse_tools(content, finished=finish_reason is not None)
+            if choice.tool_calls and finish_reason == "stop":  # max_tokens cutting a call stays "length"
+                finish_reason = "tool_calls"
         choice.reasoning.append(reasoning)
         choice.text.append(content)
         logprobs = None
@@ -182,8 +228,8 @@ class CompletionServing:
         if event.inspection is not None:
             inspect = inspect_entry(self.lm.tokenizer, event.inspection)
             choice.inspect.append(inspect)
-        choice.finish_reason = event.finish_reason or choice.finish_reason
-        return Delta(reasoning, content, logprobs, event.finish_reason, inspect)
+        choice.finish_reason = finish_reason or choice.finish_reason
+        return Delta(reasoning, content, logprobs, finish_reason, inspect, calls)
 
     async def deltas(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every choice's deltas in arrival order, skipping events that show nothing yet (an incomplete character,
@@ -243,6 +289,10 @@ class CompletionServing:
                                       "delta": {"reasoning_content": delta.reasoning, "reasoning": delta.reasoning}}])
                         if not (delta.content or logprobs or delta.finish_reason or delta.inspect):
                             continue
+                    if delta.tool_calls:  # content first, then one chunk per call delta
+                        for payload in tool_payloads(c.index, delta, logprobs):
+                            yield chunk([payload])
+                        continue
                     payload = {"index": c.index, "delta": {"content": delta.content} if delta.content else {},
                                "logprobs": {"content": logprobs} if logprobs else None,
                                "finish_reason": delta.finish_reason}
@@ -262,6 +312,20 @@ class CompletionServing:
                 request.state.cancelled = True
             record_timing(request, choices)
         yield {"data": "[DONE]"}
+
+
+def tool_payloads(index: int, delta: Delta, logprobs: list | None) -> list[dict[str, Any]]:
+    """A delta with tool calls as chunk choices: its content (if any), then each call delta; the first carries
+    the token's logprobs and inspection, the last its finish reason."""
+    deltas = ([{"content": delta.content}] if delta.content else []) + [{"tool_calls": [d.wire()]}
+                                                                      for d in delta.tool_calls]
+    payloads = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if logprobs:
+        payloads[0]["logprobs"] = {"content": logprobs}
+    if delta.inspect is not None:
+        payloads[0]["inspect"] = delta.inspect
+    payloads[-1]["finish_reason"] = delta.finish_reason
+    return payloads
 
 
 async def merge_events(choices: list[Choice]) -> AsyncIterator[tuple[Choice, TokenEvent]]:

@@ -1,0 +1,149 @@
+"""Tools over HTTP on the tiny model: prompts that show tools and tool turns, the 400s, and the streamed shape."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+
+from app.core.generate import TokenEvent
+from app.models.loading import LoadedModel
+from app.openai.protocol import ChatCompletionRequest
+from app.openai.serving import Choice, CompletionServing, tool_payloads
+from app.openai.tools import HermesToolParser
+
+from conftest import ThreadServer
+
+CHAT = "/v1/chat/completions"
+# A small Hermes-style template in the shape of Qwen2.5's: tools in the system turn, calls rendered with tojson.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "Answer with <tool_call></tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}"
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "22 C, sunny"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def hermes_lm(tiny_lm) -> LoadedModel:
+    tokenizer = copy.deepcopy(tiny_lm.tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    return LoadedModel(model=tiny_lm.model, tokenizer=tokenizer, name="tiny", max_context=256,
+                       eos_ids=tiny_lm.eos_ids, generation_defaults=tiny_lm.generation_defaults)
+
+
+@pytest.fixture(scope="module")
+def hermes_server(hermes_lm):
+    from app.config import Settings
+    from app.main import create_app
+
+    with ThreadServer(create_app(Settings(model="tiny"), lm=hermes_lm)) as server:
+        yield server
+
+
+def body(**extra):
+    return {"model": "tiny", "messages": HISTORY, "tools": [WEATHER], "temperature": 0, "max_tokens": 6, **extra}
+
+
+def test_history_renders_arguments_as_a_dict_and_tool_turns(hermes_lm):
+    request = ChatCompletionRequest(**body())
+    text = hermes_lm.tokenizer.apply_chat_template(request.chat_messages(), tools=request.template_tools(),
+                                                   tokenize=False, add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris"}' in text  # a dict, not a string encoded twice
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in text
+    assert '"name": "get_weather"' in text.split("<tools>")[1]
+
+
+def test_tools_reach_the_prompt_and_the_answer_is_well_formed(hermes_server):
+    short = {"messages": [{"role": "user", "content": "Hi"}]}  # the tiny model's context is 256 tokens
+    with_tools = httpx.post(hermes_server.url + CHAT, json=body(**short)).json()
+    without = httpx.post(hermes_server.url + CHAT, json=body(tools=None, **short)).json()
+    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 20
+    message = with_tools["choices"][0]["message"]
+    assert message["role"] == "assistant" and (message["content"] is None or isinstance(message["content"], str))
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+])
+def test_bad_tool_requests_get_a_400_naming_the_parameter(hermes_server, extra, param):
+    r = httpx.post(hermes_server.url + CHAT, json=body(**extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_template_without_tools_gets_a_400(make_tiny_server):
+    server = make_tiny_server()  # the tiny tokenizer's template never mentions tools
+    r = httpx.post(server.url + CHAT, json=body())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "template" in r.json()["error"]["message"]
+
+
+class _Handle:
+    class params:
+        logprobs = False
+
+
+def _run(pieces: list[str], finish: str, lm) -> tuple[Choice, list[dict]]:
+    """Token events through the server's own bookkeeping (`_add`), as streamed chunk payloads."""
+    serving = object.__new__(CompletionServing)  # only `_add` and the tokenizer are used
+    serving.lm = lm
+    choice = Choice(0, _Handle(), parser=HermesToolParser(["get_weather"]))
+    payloads = []
+    for i, piece in enumerate(pieces):
+        event = TokenEvent(token_id=i, text=piece, finish_reason=finish if i == len(pieces) - 1 else None)
+        delta = serving._add(choice, event)
+        if delta.tool_calls:
+            payloads += tool_payloads(0, delta, None)
+        elif not delta.empty:
+            payloads.append({"delta": {"content": delta.content} if delta.content else {},
+                             "finish_reason": delta.finish_reason})
+    return choice, payloads
+
+
+def test_streamed_chunks_have_openai_shape_and_match_the_whole_answer(hermes_lm):
+    args = {"city": "São Paulo", "note": "</tool_call>"}
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+    choice, payloads = _run([text[i:i + 3] for i in range(0, len(text), 3)], "stop", hermes_lm)
+    content = "".join(p["delta"].get("content", "") for p in payloads)
+    calls = [c for p in payloads for c in p["delta"].get("tool_calls", [])]
+    assert content == "Checking." and "<" not in content
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function" and calls[0]["index"] == 0
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert all(set(c) == {"index", "function"} for c in calls[1:])
+    streamed_args = "".join(c["function"]["arguments"] for c in calls)
+    assert payloads[-1]["finish_reason"] == "tool_calls"
+    assert json.loads(streamed_args) == args
+
+    whole, _ = _run([text], "stop", hermes_lm)  # the non-streamed answer: one event with all the text
+    message = whole.message()
+    assert whole.finish_reason == "tool_calls" and message["content"] == "Checking."
+    assert message["tool_calls"][0]["function"]["arguments"] == streamed_args
+
+
+def test_a_call_cut_by_max_tokens_keeps_finish_reason_length(hermes_lm):
+    choice, _ = _run(['<tool_call>\n{"name": "get_weather", "arguments": {"ci'], "length", hermes_lm)
+    assert choice.finish_reason == "length"
