@@ -63,14 +63,34 @@ def test_candidates_follow_the_penalised_order_and_are_never_impossible():
     stages: list = []
     scores = process_logits(logits, params, torch.tensor([[0]]), torch.tensor([[0]]), [1, 2], stages=stages)
     chosen = int(sample(scores, params, make_generator(0, "cpu")))
-    inspection = inspect_stages(stages, chosen, top=20)  # more than the 10 possible tokens
+    inspection = inspect_stages(stages, chosen, top=20)  # more than the 12 tokens there are
     penalties = [row[1] for row in inspection.probs]
     assert penalties == sorted(penalties, reverse=True)
-    assert min(penalties) > 0 and 1 not in inspection.token_ids and 2 not in inspection.token_ids
-    assert len(inspection.token_ids) == 10
+    assert sorted(inspection.token_ids) == list(range(12))  # the banned 1 and 2 too: the model ranks them
+    assert penalties[-2:] == [0, 0] and set(inspection.token_ids[-2:]) == {1, 2}  # ... and the ban shows as a cut
     expected = torch.stack([s[0].softmax(-1) for _, s in stages])[:, inspection.token_ids].T
     assert torch.allclose(torch.tensor(inspection.probs), expected)
     assert inspection.probs[inspection.token_ids.index(chosen)][-1] > 0  # what was drawn survived every cut
+
+
+def test_a_penalised_favourite_stays_in_view():
+    """A strong repetition penalty can push the model's favourite out of the top: it is listed all the same."""
+    logits = torch.tensor([[9.0, 2.0, 1.9, 1.8, 1.7, 0.0]])
+    params = SamplingParams(do_sample=False, repetition_penalty=6.0)
+    stages: list = []
+    scores = process_logits(logits, params, torch.tensor([[0]]), torch.tensor([[0]]), stages=stages)
+    inspection = inspect_stages(stages, int(scores.argmax()), top=2)
+    assert inspection.token_ids == [1, 2, 0] and inspection.chosen == 1
+    raw, penalised = zip(*inspection.probs)
+    assert raw[2] > 0.99 and penalised[2] < penalised[1]
+
+
+def test_only_impossible_tokens_are_left_out():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5]])
+    stages: list = []
+    process_logits(logits, SamplingParams(), torch.tensor([[0]]), torch.tensor([[0]]), [2, 3], stages=stages)
+    inspection = inspect_stages(stages, chosen=0, top=2)
+    assert inspection.token_ids == [0, 1]  # 2 and 3 are impossible, and the model did not rank them top-2 either
 
 
 def test_a_lowly_drawn_token_is_listed_too():
@@ -116,7 +136,7 @@ def test_api_streams_an_inspection_with_every_token(make_tiny_server, tiny_lm):
     assert len(entries) == 10
     for entry in entries:
         assert entry["stages"] == SAMPLED_STAGES
-        assert 1 <= len(entry["candidates"]) <= 5
+        assert 4 <= len(entry["candidates"]) <= 2 * 4 + 1  # top 4 penalised, + raw favourites, + the drawn one
         drawn = [c for c in entry["candidates"] if c["id"] == entry["token"]["id"]]
         assert len(drawn) == 1 and drawn[0]["probs"][-1] > 0 and drawn[0]["text"] == entry["token"]["text"]
     streamed_text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
@@ -136,7 +156,7 @@ def test_legacy_completions_inspect_too(make_tiny_server):
                                                          "max_tokens": 3, "temperature": 0, "inspect": {}})
     inspect = r.json()["choices"][0]["inspect"]
     assert len(inspect) == 3 and inspect[0]["stages"] == ["raw", "penalties"]
-    assert len(inspect[0]["candidates"]) == 10  # the default top
+    assert 10 <= len(inspect[0]["candidates"]) <= 21  # the default top is 10
 
 
 @pytest.mark.parametrize("inspect, param", [({"top": 0}, "inspect.top"), ({"top": 21}, "inspect.top"),

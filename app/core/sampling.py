@@ -214,9 +214,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch
 class Inspection:
     """What the pipeline did to the best candidates for one token: probabilities [candidate][stage].
 
-    Candidates are the `top` best tokens after the penalties, the order every later stage keeps (temperature keeps
-    the order, top-k/top-p/min-p only cut its tail), plus the drawn token if it ranks lower. Tokens that are
-    impossible there (probability 0) are never listed. A probability of 0 at a later stage means that stage cut it.
+    Candidates are the `top` best tokens after the penalties, in that order (every later stage keeps it:
+    temperature keeps the order, top-k/top-p/min-p only cut its tail); then those of the model's own `top` best that
+    the penalties pushed out; then the drawn token if it is not listed yet. A token impossible after the penalties
+    is listed only when the model itself ranked it high (an EOS held back by min_tokens, say). A probability of 0
+    at a stage means that stage cut the token.
     """
 
     stages: list[str]
@@ -229,11 +231,11 @@ def inspect_stages(stages: list[tuple[str, torch.Tensor]], chosen: int, top: int
     """stages: (name, scores [1, vocab]) from `process_logits` -> the top candidates' probability at each stage."""
     names = [name for name, _ in stages]
     probs = torch.stack([scores[0].softmax(dim=-1) for _, scores in stages])  # [stages, vocab]
-    ranking = probs[names.index("penalties")]
-    best = ranking.topk(min(top, ranking.shape[-1]))
+    top, penalised = min(top, probs.shape[-1]), probs[names.index("penalties")]
+    best = penalised.topk(top)
     ids = best.indices[best.values > 0].tolist()
-    if chosen not in ids:
-        ids.append(chosen)
+    ids += [t for t in probs[0].topk(top).indices.tolist() + [chosen] if t not in ids]
+    ids = torch.tensor(ids)[penalised[ids].argsort(descending=True, stable=True)].tolist()
     table = probs[:, ids].T  # [candidates, stages]
     return Inspection(stages=names, token_ids=ids, probs=table.tolist(), chosen=chosen)
 
