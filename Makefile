@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models serve test test-fast bench bench-compare clean
+.PHONY: setup models chromium serve test test-fast screenshot bench bench-compare clean
 
 setup: $(VENV)/.installed models
 
@@ -22,15 +22,26 @@ $(VENV)/.installed: pyproject.toml
 models: $(VENV)/.installed
 	$(PY) -m app fetch-model qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
 
+# Debian's chromium, which the playground's browser tests drive with Playwright (Playwright's own browser download
+# is not reachable here). apt runs only when chromium is missing.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
 serve: setup
 	$(PY) -m app serve --host $(HOST) --port $(PORT) --model $(MODEL)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Unit tests on the tiny in-test model only: seconds, no downloads.
+# Unit tests on the tiny in-test model only: seconds, no downloads (so no browser either).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m "not real_model and not server" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not real_model and not server and not browser" $(PYTEST_ARGS)
+
+# The README's picture of the playground (docs/playground.png), taken by its browser test.
+screenshot: setup chromium
+	UPDATE_SCREENSHOT=1 $(PY) -m pytest tests/test_playground.py -k readme_picture $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m app bench generate

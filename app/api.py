@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.core.detokenize import decode
@@ -60,6 +61,12 @@ def get_serving(state: State) -> CompletionServing:
 Serving = Annotated[CompletionServing, Depends(get_serving)]
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
+WEB_DIR = Path(__file__).parent / "web"  # the playground's static files, shipped in the package (main.py mounts them)
+
+
+@public.get("/", include_in_schema=False)
+async def playground() -> FileResponse:
+    return FileResponse(WEB_DIR / "index.html")
 
 
 @public.get("/health")

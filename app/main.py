@@ -14,9 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from app.api import public, router
+from app.api import WEB_DIR, public, router
 from app.config import Settings
 from app.errors import Overloaded, ServeError
 from app.models.loading import LoadedModel
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     app.state.serve = state
     app.include_router(public)
     app.include_router(router)
+    app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")  # the playground's script and style
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-sampling-params"])

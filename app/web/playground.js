@@ -1,0 +1,333 @@
+// The playground: a chat that streams from /v1/chat/completions, and the token inspector.
+//
+// No build step and no library: the page asks the server for the model and its sampling defaults (GET /v1/models),
+// sends the conversation with the controls' values and "inspect": {"top": N}, reads the SSE stream itself (fetch,
+// since EventSource cannot POST), and keeps, for each token of an answer, the table the sampler worked from.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const CONTROLS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty"];
+const state = {model: null, defaults: null, history: [], controller: null, pinned: null};
+
+function element(tag, className, text) {
+  const el = document.createElement(tag);
+  if (className) el.className = className;
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+function requestHeaders() {
+  const headers = {"Content-Type": "application/json"};
+  const key = $("api_key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  return headers;
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return body.error ? body.error.message : JSON.stringify(body);
+  } catch {
+    return `HTTP ${response.status}`;
+  }
+}
+
+// ---- the model and its defaults ----
+
+async function loadModel() {
+  let response;
+  try {
+    response = await fetch("/v1/models", {headers: requestHeaders()});
+  } catch (err) {
+    $("model").textContent = `server unreachable: ${err}`;
+    return;
+  }
+  if (!response.ok) {
+    $("model").textContent = `could not list the model: ${await errorMessage(response)}`;
+    return;
+  }
+  const model = (await response.json()).data[0];
+  if (!model.sampling_defaults) {  // still loading: the defaults come with the model
+    $("model").textContent = `${model.id}: loading…`;
+    setTimeout(loadModel, 1000);
+    return;
+  }
+  state.model = model.id;
+  state.defaults = model.sampling_defaults;
+  $("model").textContent = `${model.id} · context ${model.max_model_len} tokens`;
+  $("max_tokens").max = model.max_model_len;
+  applyDefaults();
+}
+
+function applyDefaults() {
+  const d = state.defaults;
+  for (const name of CONTROLS) $(name).value = d[name];
+  if (!d.do_sample) $("temperature").value = 0;  // a greedy model: temperature 0 says so to the server
+}
+
+function numberOrNull(id) {
+  const raw = $(id).value.trim();
+  return raw === "" ? null : Number(raw);
+}
+
+function requestBody() {
+  const messages = [];
+  const system = $("system").value.trim();
+  if (system) messages.push({role: "system", content: system});
+  const body = {model: state.model, messages: messages.concat(state.history), stream: true};
+  for (const name of [...CONTROLS, "seed", "max_tokens"]) {
+    const value = numberOrNull(name);
+    if (value !== null) body[name] = value;
+  }
+  if ($("inspect").checked) body.inspect = {top: numberOrNull("inspect_top") ?? 10};
+  return body;
+}
+
+// ---- streaming ----
+
+// Yields each SSE event's JSON until `data: [DONE]`; ping comments and blank events are skipped.
+async function* sseEvents(stream) {
+  const reader = stream.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer = (buffer + value).replace(/\r\n/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart())
+        .join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      yield JSON.parse(data);
+    }
+  }
+}
+
+async function send(event) {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || state.controller || !state.model) return;
+  $("prompt").value = "";
+  addMessage("user", text);
+  state.history.push({role: "user", content: text});
+  const answer = addAnswer();
+  state.controller = new AbortController();
+  setBusy(true);
+  try {
+    const response = await fetch("/v1/chat/completions", {method: "POST", headers: requestHeaders(),
+      body: JSON.stringify(requestBody()), signal: state.controller.signal});
+    if (!response.ok) {
+      answer.fail(await errorMessage(response));
+      state.history.pop();
+      return;
+    }
+    answer.setParams(JSON.parse(response.headers.get("x-sampling-params") || "null"));
+    for await (const data of sseEvents(response.body)) {
+      if (data.error) {
+        answer.fail(data.error.message);
+        break;
+      }
+      const choice = data.choices && data.choices[0];
+      if (!choice) continue;
+      answer.add((choice.delta && choice.delta.content) || "", choice.inspect);
+      if (choice.finish_reason) answer.finish(choice.finish_reason);
+    }
+  } catch (err) {
+    if (err.name === "AbortError") answer.finish("stopped");
+    else answer.fail(String(err));
+  } finally {
+    if (answer.text) state.history.push({role: "assistant", content: answer.text});
+    state.controller = null;
+    setBusy(false);
+  }
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+// ---- the conversation ----
+
+function addMessage(role, text) {
+  const el = element("div", `message ${role}`);
+  el.append(element("div", "content", text));
+  $("messages").append(el);
+  el.scrollIntoView({block: "end"});
+  return el;
+}
+
+// An answer being streamed. Tokens that show no text yet (half a character, a possible stop string) keep their
+// inspection until a token brings text: that span then holds all of them. What is left at the end (EOS, a stop
+// string) becomes a dimmed span, so every generated token can be inspected.
+function addAnswer() {
+  const el = addMessage("assistant", "");
+  el.classList.add("streaming");
+  const content = el.querySelector(".content");
+  const meta = element("div", "meta");
+  el.append(meta);
+  let pending = [];
+  const answer = {
+    text: "",
+    params: null,
+    add(text, inspection) {
+      if (inspection) pending.push(inspection);
+      if (!text) return;
+      answer.text += text;
+      content.append(pending.length ? tokenSpan(text, pending, answer) : document.createTextNode(text));
+      pending = [];
+      el.scrollIntoView({block: "end"});
+    },
+    finish(reason) {
+      if (pending.length) {
+        const span = tokenSpan(pending.map((p) => p.token.text).join(""), pending, answer);
+        span.classList.add("unshown");
+        span.title = "generated but not part of the answer (end of text or a stop string)";
+        content.append(span);
+        pending = [];
+      }
+      el.classList.remove("streaming");
+      meta.append(element("span", "finish", `finish: ${reason}`));
+    },
+    fail(message) {
+      el.classList.remove("streaming");
+      el.classList.add("failed");
+      el.append(element("div", "error", message));
+    },
+    setParams(params) {
+      answer.params = params;
+      if (params) meta.append(describeParams(params));
+    },
+  };
+  return answer;
+}
+
+// The effective parameters of one answer, from its x-sampling-params header.
+function describeParams(p) {
+  const box = element("span", "params");
+  const parts = p.do_sample ? [["temperature", "temperature"], ["top_k", "top-k"], ["top_p", "top-p"],
+    ["min_p", "min-p"], ["repetition_penalty", "repetition penalty"]] : [["repetition_penalty", "repetition penalty"]];
+  if (!p.do_sample) box.append(element("span", "param", "greedy"));
+  for (const [key, label] of [...parts, ["seed", "seed"], ["max_tokens", "max tokens"]]) {
+    if (p[key] === null || p[key] === undefined) continue;
+    const item = element("span", "param", `${label} ${p[key]}`);
+    item.dataset.param = key;
+    item.dataset.value = p[key];
+    box.append(item);
+  }
+  return box;
+}
+
+// ---- the inspector ----
+
+function tokenSpan(text, inspections, answer) {
+  const span = element("span", "tok", text);
+  span.tabIndex = 0;
+  span.inspections = inspections;
+  span.answer = answer;
+  span.addEventListener("mouseenter", () => { if (!state.pinned) showInspection(span); });
+  span.addEventListener("focus", () => { if (!state.pinned) showInspection(span); });
+  span.addEventListener("click", () => pin(span));
+  return span;
+}
+
+function pin(span) {
+  if (state.pinned) state.pinned.classList.remove("pinned");
+  state.pinned = state.pinned === span ? null : span;
+  if (state.pinned) span.classList.add("pinned");
+  showInspection(span);
+}
+
+// How a token looks in the table: quoted, with spaces and line breaks made visible.
+function visible(text) {
+  return text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+}
+
+function stageLabel(stage, p) {
+  if (!p) return stage;
+  switch (stage) {
+    case "raw": return "model";
+    case "penalties": return p.repetition_penalty !== 1 ? `penalties (×${p.repetition_penalty})` : "penalties";
+    case "temperature": return `temperature ${p.temperature}`;
+    case "top_k": return p.top_k > 0 ? `top-k ${p.top_k}` : "top-k (off)";
+    case "top_p": return p.top_p < 1 ? `top-p ${p.top_p}` : "top-p (off)";
+    case "min_p": return p.min_p > 0 ? `min-p ${p.min_p}` : "min-p (off)";
+    default: return stage;
+  }
+}
+
+function formatProb(p) {
+  if (p === 0) return "cut";
+  return p < 0.0005 ? "<0.001" : p.toFixed(3);
+}
+
+function showInspection(span) {
+  for (const el of document.querySelectorAll(".tok.shown")) el.classList.remove("shown");
+  span.classList.add("shown");
+  $("inspector-hint").hidden = true;
+  const body = $("inspector-body");
+  body.replaceChildren();
+  for (const inspection of span.inspections) body.append(inspectionTable(inspection, span.answer.params));
+}
+
+function inspectionTable(inspection, params) {
+  const box = element("div", "inspection");
+  const title = element("p", "drawn-token");
+  title.append("drawn: ", element("code", "", `'${visible(inspection.token.text)}'`), ` (id ${inspection.token.id})`);
+  box.append(title);
+  const table = element("table", "stages");
+  const head = element("tr");
+  head.append(element("th", "", "candidate"));
+  for (const stage of inspection.stages) {
+    const th = element("th", "", stageLabel(stage, params));
+    th.dataset.stage = stage;
+    head.append(th);
+  }
+  table.append(element("thead"));
+  table.tHead.append(head);
+  const rows = element("tbody");
+  for (const candidate of inspection.candidates) {
+    const drawn = candidate.id === inspection.token.id;
+    const row = element("tr", drawn ? "drawn" : "");
+    row.dataset.tokenId = candidate.id;
+    row.append(element("td", "token", `${drawn ? "\u2605 " : ""}'${visible(candidate.text)}'`));
+    for (const p of candidate.probs) {
+      const cell = element("td", p === 0 ? "prob cut" : "prob", formatProb(p));
+      cell.style.setProperty("--p", p);
+      row.append(cell);
+    }
+    rows.append(row);
+  }
+  table.append(rows);
+  box.append(table);
+  box.append(element("p", "muted legend", "\u2605 drawn · cut: that stage removed the token · candidates: the "
+    + "best after the penalties, the order every later stage keeps"));
+  return box;
+}
+
+// ---- wiring ----
+
+function newChat() {
+  if (state.controller) state.controller.abort();
+  state.history = [];
+  state.pinned = null;
+  $("messages").replaceChildren();
+  $("inspector-body").replaceChildren();
+  $("inspector-hint").hidden = false;
+}
+
+$("composer").addEventListener("submit", send);
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {  // Enter sends, Shift+Enter is a new line
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => state.controller && state.controller.abort());
+$("new-chat").addEventListener("click", newChat);
+$("defaults").addEventListener("click", () => state.defaults && applyDefaults());
+$("api_key").addEventListener("change", loadModel);
+loadModel();
