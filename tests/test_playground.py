@@ -245,6 +245,28 @@ def test_a_bad_setting_shows_the_servers_error(make_tiny_server, open_page):
 
 
 @pytest.mark.browser
+def test_a_reasoning_models_thinking_is_shown_apart_and_inspectable(open_page):
+    from tests.conftest import ThreadServer
+    from tests.test_reasoning import THINKS, _app, qwen3_tokenizer, scripted_lm
+
+    with ThreadServer(_app(scripted_lm(qwen3_tokenizer(), THINKS))) as server:  # thinks "The Paris is", says "Paris"
+        p = open_page(server.url)
+        page = p.page
+        expect(page.locator("#model")).to_contain_text("qwen3-tiny")
+        page.fill("#temperature", "0")
+        response = ask(page, "Which city is the capital of France?")
+        answer = page.locator(".message.assistant")
+        expect(answer.locator(".thinking .thought")).to_have_text("The Paris is")
+        expect(answer.locator(".content .tok")).to_have_text(["Par", "is", "<|im_end|>"])
+        entries = {c["inspect"]["token"]["text"]: c["inspect"] for c in sse_choices(response.text()) if "inspect" in c}
+        answer.locator(".thinking .tok", has_text="Paris").click()
+        check_inspector_shows(page, [entries[" Paris"]])
+        answer.locator(".content .tok").first.click()  # the tokens that show no text join the next one that does
+        check_inspector_shows(page, [entries["</think>"], entries["\n\n"], entries["Par"]])
+        assert p.outside == [] and p.errors == []
+
+
+@pytest.mark.browser
 @pytest.mark.real_model
 def test_a_real_answer_inspected_makes_the_readme_picture(smollm_fp32, open_page, tmp_path):
     from app.main import create_app

@@ -132,7 +132,7 @@ async function send(event) {
       }
       const choice = data.choices && data.choices[0];
       if (!choice) continue;
-      answer.add((choice.delta && choice.delta.content) || "", choice.inspect);
+      answer.add(choice.delta || {}, choice.inspect);
       if (choice.finish_reason) answer.finish(choice.finish_reason);
     }
   } catch (err) {
@@ -163,18 +163,37 @@ function addMessage(role, text) {
 // An answer being streamed. Tokens that show no text yet (half a character, a possible stop string) keep their
 // inspection until a token brings text: that span then holds all of them. What is left at the end (EOS, a stop
 // string) becomes a dimmed span, so every generated token can be inspected.
+// A reasoning model's thinking (delta.reasoning_content) goes to a block of its own. The server sends a thinking
+// token's text in one chunk and its inspection in the next one, which then has no text of its own.
 function addAnswer() {
   const el = addMessage("assistant", "");
   el.classList.add("streaming");
   const content = el.querySelector(".content");
   const meta = element("div", "meta");
   el.append(meta);
-  let pending = [];
+  let pending = [], thinking = null, lastThought = null;
   const answer = {
     text: "",
     params: null,
-    add(text, inspection) {
+    add(delta, inspection) {
+      if (delta.reasoning_content) {
+        if (!thinking) {
+          thinking = element("details", "thinking");
+          thinking.open = true;
+          thinking.append(element("summary", "", "thinking"), element("div", "thought"));
+          el.insertBefore(thinking, content);
+        }
+        lastThought = element("span", "", delta.reasoning_content);
+        thinking.lastChild.append(lastThought);
+        return;
+      }
       if (inspection) pending.push(inspection);
+      const text = delta.content || "";
+      if (lastThought && !text && pending.length) {  // the inspection of the thinking just shown
+        makeInspectable(lastThought, pending, answer);
+        pending = [];
+      }
+      lastThought = null;
       if (!text) return;
       answer.text += text;
       content.append(pending.length ? tokenSpan(text, pending, answer) : document.createTextNode(text));
@@ -224,7 +243,11 @@ function describeParams(p) {
 // ---- the inspector ----
 
 function tokenSpan(text, inspections, answer) {
-  const span = element("span", "tok", text);
+  return makeInspectable(element("span", "", text), inspections, answer);
+}
+
+function makeInspectable(span, inspections, answer) {
+  span.classList.add("tok");
   span.tabIndex = 0;
   span.inspections = inspections;
   span.answer = answer;
