@@ -9,7 +9,9 @@ Two pieces make the HF model accept such a row without touching its code:
   appends each slice to that request's own DynamicCache, and hands back the per-request keys and values.
 - `packed_attention` is registered as an attention implementation. For a packed call it attends each request's
   queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
-  is why batched greedy output equals solo output). For any other call it simply is HF's SDPA.
+  is why batched greedy output equals solo output), sliding windows included (each layer's window is read from
+  the config as transformers reads it). For any other call it simply is HF's SDPA. Models with attention these
+  masks cannot express (chunked attention, say) are not packed: the engine runs them one request per pass.
 
 The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
 call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+from weakref import WeakKeyDictionary
 
 import torch
 from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -31,20 +35,32 @@ PACKED = "simple_serve_packed"
 
 @dataclass
 class PerRequest:
-    """One layer's keys (or values) for each request, and where each request's queries sit in the packed row."""
+    """One layer's keys (or values) for each request, and the step they belong to."""
 
     tensors: list[torch.Tensor]  # [1, kv_heads, cached_len_i, head_dim] each
-    spans: list[tuple[int, int]]
+    step: PackedCaches
+    window: int | None  # this layer's sliding window (None: full attention)
 
 
 class PackedCaches:
-    """Quacks like a transformers Cache for one packed forward pass."""
+    """Quacks like a transformers Cache for one packed forward pass.
+
+    It also holds what every layer's attention needs and what is the same for all of them: which rows decode,
+    as a device tensor, and the masks, built on first use and reused by every later layer of the same kind. No
+    layer builds a tensor from a Python list (on a GPU, a host-to-device copy per layer per step).
+    """
 
     is_compileable = False
 
-    def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]]):
+    def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
+                 windows: Sequence[int | None] | None = None):
         self.caches = list(caches)
         self.spans = spans
+        self.windows = list(windows) if windows is not None else None
+        self.decoding = [i for i, (start, end) in enumerate(spans) if end - start == 1]
+        self.chunks = [i for i, (start, end) in enumerate(spans) if end - start > 1]
+        self.decode_rows = torch.tensor([spans[i][0] for i in self.decoding], device=device)  # once per step
+        self._masks: dict[tuple, torch.Tensor | None] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
@@ -53,10 +69,41 @@ class PackedCaches:
             k, v = cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
             keys.append(k)
             values.append(v)
-        return PerRequest(keys, self.spans), PerRequest(values, self.spans)
+        window = self.windows[layer_idx] if self.windows is not None else None
+        return PerRequest(keys, self, window), PerRequest(values, self, window)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
+
+    def decode_mask(self, lengths: list[int], window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, 1, width] for the decode rows' keys left-padded to one width: padding, and keys
+        a sliding window has left behind, are masked out."""
+        key = ("decode", tuple(lengths), window, dtype)
+        if key not in self._masks:
+            width = max(lengths)
+            mask = torch.zeros(len(lengths), 1, 1, width, dtype=dtype, device=self.decode_rows.device)
+            for i, length in enumerate(lengths):
+                visible = length if window is None else min(length, window)
+                mask[i, ..., : width - visible] = torch.finfo(dtype).min
+            self._masks[key] = mask
+        return self._masks[key]
+
+    def chunk_mask(self, n: int, total: int, window: int | None) -> torch.Tensor | None:
+        """Boolean mask [1, 1, n, total] for a prefill chunk of n queries over `total` keys (its own n last), as
+        HF's causal (and sliding-window) masks say; None where plain causal attention is exactly that."""
+        if window is not None and window >= total:
+            window = None  # the window reaches past every key: it hides nothing
+        if n == total and window is None:
+            return None  # no earlier cache: exactly what a solo prefill passes (no mask, causal)
+        key = ("chunk", n, total, window)
+        if key not in self._masks:
+            ones = torch.ones(n, total, dtype=torch.bool, device=self.decode_rows.device)
+            # query i sits at key position total - n + i: it sees keys up to there (causal) ...
+            mask = ones.tril(total - n)
+            if window is not None:  # ... and, in a sliding window, only the `window` latest of them
+                mask &= ~ones.tril(total - n - window)
+            self._masks[key] = mask[None, None]
+        return self._masks[key]
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -64,53 +111,69 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if not isinstance(key, PerRequest):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    step, window = key.step, key.window
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T_total, heads, head_dim]
-    decoding = [i for i, (start, end) in enumerate(key.spans) if end - start == 1]
-    if decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
-        rows = torch.tensor([key.spans[i][0] for i in decoding], device=query.device)
-        q = query[0, :, rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
-        k, v, mask = _left_padded([key.tensors[i] for i in decoding], [value.tensors[i] for i in decoding],
-                                  query.dtype)
+    if step.decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
+        q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
+        k, v = _left_padded([key.tensors[i] for i in step.decoding], [value.tensors[i] for i in step.decoding])
+        mask = step.decode_mask([key.tensors[i].shape[-2] for i in step.decoding], window, query.dtype)
         o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)  # [B, 1, heads, d]
-        out[0, rows] = o[:, 0]
-    for i, (start, end) in enumerate(key.spans):
-        if end - start == 1:
-            continue
+        out[0, step.decode_rows] = o[:, 0]
+    for i in step.chunks:  # each prefill chunk: its own call, unpadded
+        start, end = step.spans[i]
         k, v = key.tensors[i], value.tensors[i]
-        n, total = end - start, k.shape[-2]
-        # No earlier cache: exactly what a solo prefill passes (no mask, causal). A later chunk sees its past
-        # plus a causal block over itself, as HF's own mask would say.
-        mask = None if n == total else torch.ones(n, total, dtype=torch.bool, device=query.device).tril(total - n)
-        o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, None if mask is None else mask[None, None],
-                                      dropout=dropout, scaling=scaling)
+        mask = step.chunk_mask(end - start, k.shape[-2], window)
+        o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling)
         out[:, start:end] = o
     return out, None
 
 
-def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype):
-    """[1, kv_heads, len_i, d] each -> [B, kv_heads, width, d] and an additive mask [B, 1, 1, width]."""
+def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, kv_heads, len_i, d] each -> [B, kv_heads, width, d] each, zeros on the left (see `decode_mask`)."""
     width = max(k.shape[-2] for k in keys)
     _, heads, _, dim = keys[0].shape
     k_out = keys[0].new_zeros(len(keys), heads, width, dim)
     v_out = values[0].new_zeros(len(keys), heads, width, dim)
-    mask = keys[0].new_zeros(len(keys), 1, 1, width, dtype=dtype)
     for i, (k, v) in enumerate(zip(keys, values)):
         pad = width - k.shape[-2]
         k_out[i, :, pad:], v_out[i, :, pad:] = k[0], v[0]
-        mask[i, ..., :pad] = torch.finfo(dtype).min
-    return k_out, v_out, mask
+    return k_out, v_out
 
 
 AttentionInterface.register(PACKED, packed_attention)
 AttentionMaskInterface.register(PACKED, sdpa_mask)  # solo calls get exactly the masks SDPA would get
 
 
+_WINDOWS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def attention_windows(model) -> list[int | None] | None:
+    """Per layer: None for full attention, the window for a sliding one; None overall when some layer is of a
+    kind the packed pass cannot mask (chunked attention, linear attention, shared or no KV).
+
+    The layer kinds are read as transformers reads them to build a DynamicCache, so that a Mistral-style config
+    (a `sliding_window` and no `layer_types`) counts as sliding in every layer, exactly as its model masks it.
+    """
+    if model not in _WINDOWS:
+        config = model.config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        windows: list[int | None] | None = []
+        for layer_type, kwargs in zip(layer_types, layer_kwargs):
+            if layer_type == "full_attention":
+                windows.append(None)
+            elif layer_type == "sliding_attention":
+                windows.append(kwargs["sliding_window"])
+            else:
+                windows = None
+                break
+        _WINDOWS[model] = windows
+    return _WINDOWS[model]
+
+
 def enable_packed_batching(model) -> bool:
     """Switch an SDPA model to `packed_attention` (identical for solo calls). False: keep one request per pass."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if config._attn_implementation not in ("sdpa", PACKED) or any(t != "full_attention" for t in layer_types):
-        return False  # sliding windows or another kernel would need their own per-request rule
+    if model.config._attn_implementation not in ("sdpa", PACKED) or attention_windows(model) is None:
+        return False  # another kernel, or attention the packed masks do not express: one request per pass
     model.set_attn_implementation(PACKED)
     return True
 

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from transformers import DynamicCache
 
-from app.core.batching import PackedCaches, packed_inputs
+from app.core.batching import PackedCaches, attention_windows, packed_inputs
 from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
@@ -214,11 +214,12 @@ def forward_many(model, work: list[tuple[Sequence, int]]) -> torch.Tensor:
     for seq, n in work:
         cached = seq.cache.get_seq_length()
         items.append((seq.token_ids[0, cached : cached + n], cached))
-    packed = packed_inputs(items, seq.token_ids.device)
-    cache = PackedCaches([seq.cache for seq, _ in work], packed["spans"])
+    device = seq.token_ids.device
+    packed = packed_inputs(items, device)
+    cache = PackedCaches([seq.cache for seq, _ in work], packed["spans"], device, attention_windows(model))
     hidden = model.model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], cache=cache,
                          use_cache=True, attention_mask=packed["attention_mask"]).last_hidden_state  # [1, T, H]
-    last = torch.tensor([end - 1 for _, end in packed["spans"]], device=hidden.device)
+    last = torch.tensor([end - 1 for _, end in packed["spans"]], device=device)
     return model.lm_head(hidden[0, last]).float()  # lm_head on each sequence's last position only
 
 
