@@ -52,6 +52,8 @@ def require_api_key(request: Request, state: State) -> None:
 def get_serving(state: State) -> CompletionServing:
     if state.draining:
         raise ShuttingDown()
+    if error := state.engine_error:
+        raise NotReady(error, code="engine_dead")
     if not state.ready:
         raise NotReady(state.load_error or "the model is still loading; retry when /ready answers 200",
                        code="model_not_ready")
@@ -70,12 +72,17 @@ async def playground() -> FileResponse:
 
 
 @public.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(state: State) -> JSONResponse:
+    # Liveness: 503 once the engine thread has died, so an orchestrator restarts the process.
+    if error := state.engine_error:
+        return JSONResponse({"status": "dead", "error": error}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @public.get("/ready")
 async def ready(state: State) -> JSONResponse:
+    if error := state.engine_error:
+        return JSONResponse({"status": "dead", "error": error}, status_code=503)
     if state.ready and not state.draining:
         return JSONResponse({"status": "ready", "model": state.settings.model_id})
     status = "draining" if state.draining else ("failed" if state.load_error else "loading")

@@ -6,6 +6,7 @@ Everything an operator can tune lives here, so the README's settings table, the 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -31,6 +32,9 @@ class Settings(BaseSettings):
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
                                                 "(default: 128 on CPU, 2048 on GPU)")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
+                                       "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "
+                                       "CPU: half the RAM available after loading)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
@@ -43,6 +47,19 @@ class Settings(BaseSettings):
         # Env vars are flat strings: CORS_ORIGINS="https://a.example,https://b.example".
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _parse_bytes(cls, value: object) -> object:
+        # KV_CACHE_BYTES=8GiB reads better than 8589934592.
+        if isinstance(value, str):
+            match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", value, flags=re.I)
+            if match:
+                number, unit = match.groups()
+                scale = 1 if unit is None else (1024 if unit.lower().endswith("i") else 1000) ** (
+                    "KMGT".index(unit[0].upper()) + 1)
+                return int(float(number) * scale)
         return value
 
     @field_validator("log_level", mode="before")

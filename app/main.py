@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from app.api import WEB_DIR, public, router
 from app.config import Settings
-from app.errors import Overloaded, ServeError
+from app.errors import Overloaded, ServeError, ShuttingDown
 from app.models.loading import LoadedModel
 from app.openai.serving import error_body
 from app.state import ServerState
@@ -138,8 +138,10 @@ class AccessAndLimits:
         path = scope.get("path", "")
         if path in ("/health", "/ready", "/metrics"):
             return  # probes every few seconds would drown the log
-        self.state.metrics.requests.labels(path if path in GENERATION_PATHS else "other", str(status)).inc()
         info = scope.get("state", {})
+        # A stream that failed after its 200 counts as the error it ended with (the client saw an error event).
+        status = info.get("failed_status", status)
+        self.state.metrics.requests.labels(path if path in GENERATION_PATHS else "other", str(status)).inc()
         ttft = info.get("ttft_s")
         log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),
                  scope.get("method"), path, status, info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
@@ -153,12 +155,17 @@ class BodyTooLarge(Exception):
 
 class GracefulServer(uvicorn.Server):
     """uvicorn, but SIGTERM drains first: /ready and new requests answer 503 while in-flight requests finish,
-    for at most `shutdown_grace_s`; then the server exits. A second signal exits at once."""
+    for at most `shutdown_grace_s`. Then whatever is still generating is ended with an error (a stream gets an
+    error event and `[DONE]`, never a cut), and the server exits once those responses are out, or
+    `ABORT_FLUSH_S` later. A second signal exits at once. If the engine dies, the process exits with code 1."""
+
+    ABORT_FLUSH_S = 5.0
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
         self.drain_deadline: float | None = None
+        self.flush_deadline: float | None = None
         self.exit_code = 0
 
     def handle_exit(self, sig, frame) -> None:
@@ -173,11 +180,21 @@ class GracefulServer(uvicorn.Server):
         if self.state.load_error:
             self.exit_code = 1
             return True
+        if self.state.engine_error and self.state.idle:  # its requests have had their errors: restart us
+            logging.getLogger("app").error("%s; exiting", self.state.engine_error)
+            self.exit_code = 1
+            return True
         if self.drain_deadline is not None:
-            if self.state.idle or time.monotonic() >= self.drain_deadline:
-                if not self.state.idle:
-                    logging.getLogger("app").warning("grace period over with requests in flight; exiting")
-                    self.force_exit = True
+            now = time.monotonic()
+            if self.state.idle:
+                return True  # uvicorn's own shutdown then lets open responses finish
+            if self.flush_deadline is None and now >= self.drain_deadline:
+                logging.getLogger("app").warning("grace period over with requests in flight; ending them")
+                self.state.engine.abort_all(ShuttingDown(
+                    "the server is shutting down and its grace period ended before this generation finished"))
+                self.flush_deadline = now + self.ABORT_FLUSH_S
+            if self.flush_deadline is not None and now >= self.flush_deadline:
+                self.force_exit = True
                 return True
         return await super().on_tick(counter)
 

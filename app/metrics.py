@@ -30,5 +30,12 @@ class Metrics:
         self.active_sequences = Gauge(f"{PREFIX}_active_sequences", "sequences being decoded", registry=r)
         self.cancellations = Counter(f"{PREFIX}_cancellations", "generations stopped because the client left",
                                      registry=r)
-        self.finished = Counter(f"{PREFIX}_generations_finished", "generations by finish reason", ["reason"],
-                                registry=r)
+        self.finished = Counter(f"{PREFIX}_generations_finished", "generations by finish reason (stop, length; "
+                                "error: the model failed; abort: the server gave up on it)", ["reason"], registry=r)
+        self.kv_cache_budget = Gauge(f"{PREFIX}_kv_cache_budget_bytes", "KV cache bytes the engine may hold "
+                                     "(KV_CACHE_BYTES)", registry=r)
+        self.kv_cache_reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV cache bytes reserved by admitted "
+                                       "requests (each its prompt + max_tokens worst case); admission keeps this "
+                                       "within the budget", registry=r)
+        self.kv_cache_in_use = Gauge(f"{PREFIX}_kv_cache_used_bytes", "KV cache bytes the running requests hold now",
+                                     registry=r)

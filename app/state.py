@@ -39,7 +39,8 @@ class ServerState:
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack)
-            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step)
+            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
+                                 s.kv_cache_bytes)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:
@@ -60,6 +61,13 @@ class ServerState:
         handle = self.engine.submit(self.lm.encode_text("Hello"), SamplingParams(max_tokens=2, do_sample=False))
         async for _ in handle:
             pass
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine can no longer generate, once it has died (None while loading or serving)."""
+        if self.engine is None or self.engine.alive or self.engine.load_error is not None:
+            return None
+        return f"the engine stopped: {self.engine.died!r}" if self.engine.died else "the engine stopped"
 
     def start_drain(self) -> None:
         self.draining = True

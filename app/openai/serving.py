@@ -183,6 +183,10 @@ class CompletionServing:
     async def collect(self, choices: list[Choice], request: Request) -> None:
         try:
             await self._collect(choices, request)
+        except ServeError:
+            for choice in choices:  # a choice failed: its siblings are stopped by us, not by the client
+                choice.handle.cancel(client_left=False)
+            raise
         finally:
             for choice in choices:
                 choice.handle.cancel()  # no-op when finished; frees the cache when the client left
@@ -271,7 +275,7 @@ class CompletionServing:
                     "system_fingerprint": self.fingerprint, "choices": payload_choices, **extra}
             return {"data": json.dumps(body, ensure_ascii=False)}
 
-        finished = False
+        finished = failed = False
         try:
             if chat:
                 for c in choices:
@@ -303,13 +307,15 @@ class CompletionServing:
             if include_usage:
                 yield chunk([], usage=usage(prompt_tokens, sum(c.tokens for c in choices)))
         except ServeError as err:  # after the 200: tell the client in-band, then end the stream properly
+            failed = True
             log.warning("stream %s failed: %s", response_id, err.message)
+            request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
             yield {"data": json.dumps(error_body(err))}
         finally:
             if not finished:
-                for c in choices:
-                    c.handle.cancel()
-                request.state.cancelled = True
+                for c in choices:  # after a failure, the siblings are stopped by us, not by the client
+                    c.handle.cancel(client_left=not failed)
+                request.state.cancelled = not failed
             record_timing(request, choices)
         yield {"data": "[DONE]"}
 

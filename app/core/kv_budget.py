@@ -1,0 +1,121 @@
+"""How many bytes of KV cache the engine may hold, and who holds them.
+
+A request's KV cache grows by a fixed number of bytes per token: per layer, keys and values for each KV head,
+`2 x kv_heads x head_dim x dtype size` (a sliding-window layer stops growing at its window). The engine admits a
+request only when its worst case, prompt + max_tokens, fits what is left of the budget, and reserves that much
+until the request ends. So memory use is bounded by the budget however the load arrives, and nothing has to be
+evicted mid-generation. Requests that do not fit yet wait in the queue; one that could never fit is refused.
+
+Anything else that keeps KV (a prefix cache) takes its bytes from the same budget with the same calls:
+`reserve(owner, nbytes)` and `release(owner)`. It can also register a reclaimer, which `reserve` calls to make
+room (evict) before it answers that a request must wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Hashable
+
+import psutil
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+log = logging.getLogger("app.core.kv_budget")
+
+CPU_RAM_FRACTION = 0.5  # of the RAM available after loading; the rest is for activations, the OS and neighbours
+GPU_MARGIN_FRACTION = 0.1  # of the GPU's memory kept free for activations (as vLLM's gpu_memory_utilization=0.9)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per layer: KV bytes per cached token, and the most tokens the layer keeps (None: all of them)."""
+
+    layers: tuple[tuple[int, int | None], ...]
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> KVLayout:
+        """Read from the model config the way transformers builds a DynamicCache from it: head_dim when the config
+        gives one (it need not be hidden_size / heads), KV heads for grouped-query attention, and each layer's kind
+        (sliding windows and chunked attention keep at most their window; layers that reuse another's KV keep none)."""
+        text = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        per_layer = getattr(text, "per_layer_config", None) or [text] * len(layer_types)
+        layers = []
+        for layer_type, kwargs, layer_config in zip(layer_types, layer_kwargs, per_layer):
+            heads = layer_config.num_attention_heads
+            kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+            head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
+            per_token = 0 if layer_type == "dummy" else 2 * kv_heads * head_dim * dtype.itemsize
+            layers.append((per_token, kwargs.get("sliding_window")))
+        return cls(tuple(layers))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """While no window is full: what one more token costs."""
+        return sum(per_token for per_token, _ in self.layers)
+
+    def bytes_for(self, tokens: int) -> int:
+        """KV bytes of one sequence of `tokens` tokens."""
+        return sum(per_token * (tokens if window is None else min(tokens, window)) for per_token, window in self.layers)
+
+
+class KVBudget:
+    """Bytes reserved against a fixed capacity, by owner. Thread-safe; `reserve` never blocks."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._held: dict[Hashable, int] = {}
+        self._lock = threading.Lock()
+        self._reclaimers: list[Callable[[int], None]] = []
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
+    def add_reclaimer(self, reclaim: Callable[[int], None]) -> None:
+        """`reclaim(nbytes)` is asked to release about that many bytes (through `release`) when a reservation
+        does not fit; it must not call `reserve`."""
+        self._reclaimers.append(reclaim)
+
+    def reserve(self, owner: Hashable, nbytes: int) -> bool:
+        """Add `nbytes` to what `owner` holds if it fits (after asking the reclaimers); False: nothing changed."""
+        for reclaim in [None, *self._reclaimers]:
+            if reclaim is not None:
+                reclaim(nbytes - (self.capacity - self.in_use))
+            with self._lock:
+                if sum(self._held.values()) + nbytes <= self.capacity:
+                    self._held[owner] = self._held.get(owner, 0) + nbytes
+                    return True
+        return False
+
+    def release(self, owner: Hashable) -> int:
+        """Free everything `owner` holds; returns how much that was (0 if nothing: releasing twice is harmless)."""
+        with self._lock:
+            return self._held.pop(owner, 0)
+
+
+def available_ram() -> int:
+    """RAM this process can still get: the machine's available memory, or what its cgroup (a container's memory
+    limit) leaves, whichever is smaller. /proc/meminfo alone shows the host's memory inside a container."""
+    available = psutil.virtual_memory().available
+    limit_file, usage_file = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    try:
+        limit = limit_file.read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int(usage_file.read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 memory controller here
+    return max(0, available)
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """With the model loaded: on a GPU, its free memory less a margin for activations; on a CPU, a fraction of the
+    RAM still available."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, free - int(GPU_MARGIN_FRACTION * total))
+    return int(CPU_RAM_FRACTION * available_ram())
