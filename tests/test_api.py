@@ -196,3 +196,144 @@ def test_metrics_exposed(make_tiny_server):
         assert name in text
     assert 'simple_serve_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
 
+
+
+def metric(server, line_start: str) -> float:
+    """The value of the first /metrics sample whose line starts with `line_start` (0 if absent)."""
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeypatch):
+    """A request whose pass raises gets a clean error (JSON, or an error event then [DONE]); /ready stays 200,
+    a stream running beside it finishes (here an OOM splits the pass, so the poisoned row fails alone), and the
+    engine's reservations return to 0."""
+    import torch
+
+    import app.core.engine as engine_module
+
+    real = engine_module.forward_many
+    poison = "poisoned request"
+
+    def faulty(model, work):
+        if any(seq.params.stop == (poison,) for seq, _ in work):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, work)
+
+    monkeypatch.setattr(engine_module, "forward_many", faulty)
+    server = make_tiny_server()
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, max_tokens=40), timeout=60) as healthy:
+        lines = healthy.iter_lines()
+        next(lines)  # the healthy stream is running
+        bad = httpx.post(server.url + CHAT, json=chat_body(stop=[poison]), timeout=60)
+        assert bad.status_code == 500 and "out of memory" in bad.json()["error"]["message"]
+        with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, stop=[poison]), timeout=60) as r:
+            chunks = sse_payloads(r)
+        assert chunks[-1] == "[DONE]" and "out of memory" in chunks[-2]["error"]["message"]
+        assert httpx.get(server.url + "/ready").status_code == 200
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length", "the stream beside the fault finished"
+    assert httpx.post(server.url + CHAT, json=chat_body(), timeout=60).status_code == 200
+    assert server.state.engine.kv_budget.in_use == 0
+    assert metric(server, 'simple_serve_generations_finished_total{reason="error"}') == 2
+
+
+def test_dead_engine_fails_requests_and_probes(make_tiny_server, monkeypatch):
+    from app.core.engine import Engine
+
+    server = make_tiny_server()
+
+    def broken_emit(self, handle, event):
+        raise RuntimeError("simulated bug in _emit")
+
+    monkeypatch.setattr(Engine, "_emit", broken_emit)
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True), timeout=60) as r:
+        chunks = sse_payloads(r)
+    assert chunks[-1] == "[DONE]" and "simulated bug in _emit" in chunks[-2]["error"]["message"]
+    for probe in ("/health", "/ready"):
+        r = httpx.get(server.url + probe)
+        assert r.status_code == 503 and r.json()["status"] == "dead", probe
+    r = httpx.post(server.url + CHAT, json=chat_body())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_kv_budget_over_http(make_tiny_server):
+    server = make_tiny_server(kv_cache_bytes=50_000)  # the tiny model: 512 bytes per token, so ~97 tokens
+    r = httpx.post(server.url + CHAT, json=chat_body(max_tokens=150))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_tokens" and error["code"] == "kv_cache_exceeded"
+    assert "50,000 bytes" in error["message"] and "512 bytes per token" in error["message"]
+    assert httpx.post(server.url + CHAT, json=chat_body()).status_code == 200
+    assert metric(server, "simple_serve_kv_cache_budget_bytes") == 50_000
+    assert metric(server, "simple_serve_kv_cache_reserved_bytes") == 0
+    assert metric(server, "simple_serve_kv_cache_used_bytes") == 0
+
+
+def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellations(make_tiny_server,
+                                                                                     monkeypatch):
+    """n=2 where choice 1 fails (its pass runs out of memory even alone): the stream ends with an error event
+    and [DONE], the request is counted as a 500 (not a 200), and choice 0, stopped by the server, is not a
+    client cancellation. The same for a non-streamed request."""
+    import torch
+
+    import app.core.engine as engine_module
+
+    real, calls = engine_module.forward_many, {"n": 0}
+
+    def faulty(model, work):
+        if any(seq.params.seed == 8 for seq, _ in work):  # choice 1 of a request with seed 7
+            calls["n"] += 1
+            if calls["n"] > 1:  # let its prefill through, fail its first decode
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, work)
+
+    monkeypatch.setattr(engine_module, "forward_many", faulty)
+    server = make_tiny_server()
+    body = chat_body(n=2, seed=7, max_tokens=60, stream=True)
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
+        chunks = sse_payloads(r)
+    assert chunks[-1] == "[DONE]" and "out of memory" in chunks[-2]["error"]["message"]
+    calls["n"] = 0
+    r = httpx.post(server.url + CHAT, json={**body, "stream": False}, timeout=60)
+    assert r.status_code == 500
+    assert metric(server, 'simple_serve_requests_total{endpoint="/v1/chat/completions",status="500"}') == 2
+    assert metric(server, 'simple_serve_requests_total{endpoint="/v1/chat/completions",status="200"}') == 0
+    assert metric(server, "simple_serve_cancellations_total") == 0
+    assert metric(server, 'simple_serve_generations_finished_total{reason="error"}') == 2
+
+
+def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, monkeypatch):
+    """SIGTERM with a stream that outlasts SHUTDOWN_GRACE_S: the stream ends with an error event and [DONE]
+    (not a cut connection), and the server exits."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    import app.core.engine as engine_module
+    from app.config import Settings
+    from app.main import GracefulServer, create_app
+    from tests.conftest import free_port, wait_until_ready
+
+    real = engine_module.forward_many
+    monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.05), real(m, w))[1])
+    app = create_app(Settings(model="tiny", shutdown_grace_s=0.5), lm=tiny_lm)
+    port = free_port()
+    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), app.state.serve)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until_ready(url, timeout=120)
+    with httpx.stream("POST", url + CHAT, json=chat_body(stream=True, max_tokens=200), timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)  # streaming
+        server.handle_exit(signal.SIGTERM, None)
+        payloads = [line[6:] for line in lines if line.startswith("data: ")]
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the server exited"
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["code"] == "service_unavailable" and "grace period" in error["message"]
+    assert len(payloads) < 150, "ended by the deadline, not by max_tokens"

@@ -91,14 +91,15 @@ async def outcome(handle) -> list[int] | ServeError:
     return tokens
 
 
-def run_engine(engine_factory, scenario):
-    """Start an engine, run `await scenario(engine)` on a fresh event loop, stop the engine."""
+def run_engine(engine_factory, scenario, timeout: float = 120):
+    """Start an engine, run `await scenario(engine)` on a fresh event loop, stop the engine. The timeout turns a
+    hang into a failure."""
     async def main():
         engine = engine_factory()
         engine.start()
         await asyncio.to_thread(engine.loaded.wait)
         try:
-            return await asyncio.wait_for(scenario(engine), timeout=120)
+            return await asyncio.wait_for(scenario(engine), timeout=timeout)
         finally:
             engine.stop()
     return asyncio.run(main())
@@ -319,3 +320,20 @@ def test_kv_cache_bytes_setting_takes_units():
     assert Settings(kv_cache_bytes="8GiB").kv_cache_bytes == 8 * 2**30
     assert Settings(kv_cache_bytes="500M").kv_cache_bytes == 500_000_000
     assert Settings(kv_cache_bytes=12345).kv_cache_bytes == 12345
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-pass"])
+def test_smollm_long_prompt_in_both_modes_equals_generate(smollm_fp32, packed):
+    """Issue 13.1's reproduction: SmolLM2 in fp32, a ~300-word prompt (several 128-token prefill chunks)."""
+    lm = smollm_fp32
+    text = "Summarise this text. " + " ".join(f"Paris has bridge number {i} over the Seine." for i in range(40))
+    ids = lm.encode_chat([{"role": "user", "content": text}])
+    assert len(ids) > 3 * 128
+    params = greedy(16)
+    got = run_engine(lambda: Engine(lm, packed_batching=packed), lambda engine: outcome(engine.submit(ids, params)),
+                     timeout=900)
+    with torch.inference_mode():
+        hf = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+    assert got == hf[0, len(ids):].tolist()

@@ -23,6 +23,8 @@ import psutil
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from app.errors import InvalidRequest
+
 log = logging.getLogger("app.core.kv_budget")
 
 CPU_RAM_FRACTION = 0.5  # of the RAM available after loading; the rest is for activations, the OS and neighbours
@@ -91,6 +93,17 @@ class KVBudget:
                     self._held[owner] = self._held.get(owner, 0) + nbytes
                     return True
         return False
+
+    def request_bytes(self, layout: KVLayout, prompt_len: int, max_new: int) -> int:
+        """A request's worst case (prompt + max_tokens); InvalidRequest if even an empty budget could not hold it."""
+        need = layout.bytes_for(prompt_len + max_new)
+        if need > self.capacity:
+            raise InvalidRequest(
+                f"this request could need {need:,} bytes of KV cache ({prompt_len} prompt + {max_new} max_tokens "
+                f"tokens x {layout.bytes_per_token:,} bytes per token), more than the server's whole KV cache "
+                f"budget of {self.capacity:,} bytes (KV_CACHE_BYTES); lower max_tokens or shorten the prompt",
+                param="max_tokens", code="kv_cache_exceeded")
+        return need
 
     def release(self, owner: Hashable) -> int:
         """Free everything `owner` holds; returns how much that was (0 if nothing: releasing twice is harmless)."""
