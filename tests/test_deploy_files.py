@@ -50,6 +50,7 @@ APP_SETTINGS = {
     "MAX_ACTIVE": "8",
     "MAX_QUEUE": "64",
     "MAX_MODEL_LEN": None,
+    "KV_CACHE_BYTES": None,
     "MAX_REQUEST_BYTES": "1048576",
     "CORS_ORIGINS": None,
     "SHUTDOWN_GRACE_S": "30",
