@@ -14,6 +14,8 @@ from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  default_sampling)
+from app.openai.responses import ResponsesServing
+from app.openai.responses_protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
 from app.state import ServerState
 
@@ -97,6 +99,11 @@ async def metrics(state: State) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving):
     return await serving.chat(body, request)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, serving: Serving):
+    return await ResponsesServing(serving).create(body, request)
 
 
 @router.post("/v1/completions")

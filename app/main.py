@@ -25,7 +25,7 @@ from app.openai.serving import error_body
 from app.state import ServerState
 
 log = logging.getLogger("app.access")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:

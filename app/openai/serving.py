@@ -65,6 +65,7 @@ class Choice:
     text: list[str] = field(default_factory=list)  # the answer (content)
     reasoning: list[str] = field(default_factory=list)
     tokens: int = 0
+    reasoning_tokens: int = 0  # tokens generated before the answer began (the thinking and its tags)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     inspect: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -212,6 +213,7 @@ class CompletionServing:
         choice.tokens += 1
         reasoning, content = "", event.text
         if choice.splitter is not None:
+            choice.reasoning_tokens += choice.splitter.state != "content"
             reasoning, content = choice.splitter.feed(event.text)
             if event.finish_reason is not None:
                 more_reasoning, more_content = choice.splitter.flush()

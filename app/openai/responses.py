@@ -1,0 +1,223 @@
+"""The Responses API (`POST /v1/responses`), stateless: the chat completions path underneath, another wire shape on top.
+
+The request becomes the chat request it means (responses_protocol.py) and goes through the same template, sampling
+parameters, engine, reasoning split and tool-call parsers (`CompletionServing.start` and `.deltas`). What differs
+is how the answer is written:
+- the answer is a list of output items: `reasoning` (a reasoning model's thinking), `message` (its `output_text`),
+  and one `function_call` (`call_id`, `name`, `arguments`) per tool call;
+- `status` is "completed", or "incomplete" with `incomplete_details.reason: "max_output_tokens"`;
+- `usage` counts `input_tokens` and `output_tokens` (and the reasoning tokens among them);
+- a stream is a sequence of typed events, each with a `sequence_number`: `response.created`,
+  `response.in_progress`, then for each item `response.output_item.added`, its parts and deltas
+  (`response.content_part.added`, `response.output_text.delta` / `.done`, `response.reasoning_text.delta` /
+  `.done`, `response.function_call_arguments.delta` / `.done`), `response.output_item.done`, and at the end
+  `response.completed` (or `response.incomplete`). A failure after the 200 sends an `error` event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from app.errors import InvalidRequest, ServeError
+from app.openai.protocol import ChatCompletionRequest, now
+from app.openai.responses_protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
+from app.openai.serving import SSE_PING_S, Choice, CompletionServing, Delta, record_timing
+from app.openai.tools import ToolCallDelta
+
+log = logging.getLogger("app.openai.responses")
+
+
+class ResponsesServing:
+    def __init__(self, serving: CompletionServing):
+        self.serving = serving
+
+    async def create(self, body: ResponsesRequest, request: Request):
+        self.serving.check_model(body.model)
+        chat = body.to_chat_request()
+        try:
+            prompt_ids = self.serving.encode_chat(chat)
+            choices, headers = self.serving.start(chat, request, prompt_ids, chat=True)
+        except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent
+            err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
+            raise
+        answer = Answer(body, chat, self.serving.model_id, len(prompt_ids))
+        request.state.request_id = answer.id
+        if body.stream:
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EventSourceResponse(self._stream(answer, choices, request), ping=SSE_PING_S, headers=headers)
+        await self.serving.collect(choices, request)
+        answer.add_whole(choices[0])
+        return JSONResponse(answer.response("done"), headers=headers)
+
+    async def _stream(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
+        finished = False
+        try:
+            for event in answer.start_events():
+                yield event
+            async for _, delta in self.serving.deltas(choices):
+                for event in answer.delta_events(delta, choices[0]):
+                    yield event
+            finished = True
+        except ServeError as err:  # after the 200: an error event in OpenAI's shape, then the end of the stream
+            log.warning("response %s failed: %s", answer.id, err.message)
+            yield answer.event("error", code=err.code or err.error_type, message=err.message, param=err.param)
+        finally:
+            if not finished:
+                for c in choices:
+                    c.handle.cancel()
+                request.state.cancelled = True
+            record_timing(request, choices)
+        if not finished:
+            yield {"data": "[DONE]"}
+
+
+class Answer:
+    """One response being written: its output items so far, and the events that announce them."""
+
+    def __init__(self, body: ResponsesRequest, chat: ChatCompletionRequest, model_id: str, input_tokens: int):
+        self.id = item_id("resp")
+        self.created_at = now()
+        self.body, self.chat, self.model_id = body, chat, model_id
+        self.input_tokens = input_tokens
+        self.items: list[dict[str, Any]] = []  # output items, in order
+        self.open: dict[str, Any] | None = None  # the item still receiving deltas (the last one), if any
+        self.sequence = 0
+        self.choice: Choice | None = None
+
+    # ---- the response object ----
+
+    def response(self, stage: str) -> dict[str, Any]:
+        """stage: "created" (no output yet) or "done" (final status, output and usage)."""
+        b = self.body
+        done = stage == "done"
+        incomplete = done and self.choice is not None and self.choice.finish_reason == "length"
+        status = ("incomplete" if incomplete else "completed") if done else "in_progress"
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model_id, "output": self.items if done else [],
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
+            "store": False, "temperature": b.temperature, "top_p": b.top_p,
+            "text": {"format": (b.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "truncation": "disabled",
+            "metadata": b.metadata or {}, "user": (b.model_extra or {}).get("user"),
+            "usage": self.usage() if done else None,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        output = self.choice.tokens if self.choice else 0
+        reasoning = self.choice.reasoning_tokens if self.choice else 0
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": self.input_tokens + output}
+
+    def add_whole(self, choice: Choice) -> None:
+        """A non-streamed answer: its deltas replayed through the same item logic, without events."""
+        self.delta_events(Delta("".join(choice.reasoning), "".join(choice.text), finish_reason=choice.finish_reason,
+                                tool_calls=choice_calls(choice)), choice)
+
+    # ---- events ----
+
+    def event(self, kind: str, **fields: Any) -> dict[str, str]:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps(payload, ensure_ascii=False)}
+
+    def start_events(self) -> list[dict[str, str]]:
+        return [self.event("response.created", response=self.response("created")),
+                self.event("response.in_progress", response=self.response("created"))]
+
+    def delta_events(self, delta: Delta, choice: Choice) -> list[dict[str, str]]:
+        """Events for one delta: thinking, then answer text, then tool calls, each in its own output item."""
+        self.choice = choice
+        events: list[dict[str, str]] = []
+        if delta.reasoning:
+            events += self._text_into("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text_into("message", delta.content)
+        for call in delta.tool_calls:
+            if call.id is not None:  # a new call: its first delta carries id and name
+                events += self._close()
+                item = {"type": "function_call", "id": item_id("fc"), "call_id": call.id, "name": call.name,
+                        "arguments": "", "status": "in_progress"}
+                events += self._open(item)
+            if call.arguments:
+                self.open["arguments"] += call.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                         output_index=len(self.items) - 1, delta=call.arguments))
+        if delta.finish_reason is not None:
+            if not self.items:  # nothing at all was said: still one (empty) message, as OpenAI answers
+                events += self._open(self._new_item("message"))
+            events += self._close()
+            final = self.response("done")
+            events.append(self.event(f"response.{final['status']}", response=final))
+        return events
+
+    def _text_into(self, kind: str, text: str) -> list[dict[str, str]]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            events += self._open(self._new_item(kind))
+        part = self.open["content"][0]
+        part["text"] += text
+        where = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        delta_kind = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return events + [self.event(delta_kind, **where, delta=text, **extra)]
+
+    def _new_item(self, kind: str) -> dict[str, Any]:
+        if kind == "message":
+            return {"type": "message", "id": item_id("msg"), "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        return {"type": "reasoning", "id": item_id("rs"), "summary": [], "status": "in_progress",
+                "content": [{"type": "reasoning_text", "text": ""}]}
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, str]]:
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        announced = {**item, "content": []} if "content" in item else dict(item)
+        events = [self.event("response.output_item.added", output_index=index, item=announced)]
+        if item["type"] in ("message", "reasoning"):
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part={**item["content"][0], "text": ""}))
+        return events
+
+    def _close(self) -> list[dict[str, str]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        cut = self.choice is not None and self.choice.finish_reason == "length"
+        item["status"] = "incomplete" if cut else "completed"
+        where = {"item_id": item["id"], "output_index": index}
+        events = []
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
+                                     arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            done_kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            events.append(self.event(done_kind, **where, content_index=0, text=part["text"], **extra))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
+        return events + [self.event("response.output_item.done", output_index=index, item=item)]
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"  # OpenAI's spelling: resp_..., msg_..., rs_..., fc_...
+
+
+def choice_calls(choice: Choice) -> list[ToolCallDelta]:
+    """A whole answer's tool calls, as one delta each (id, name and all the arguments)."""
+    return [ToolCallDelta(i, call["function"]["arguments"], call["id"], call["function"]["name"])
+            for i, call in sorted(choice.tool_calls.items())]

@@ -1,0 +1,189 @@
+"""The Responses API (`POST /v1/responses`) over a real socket: shapes, the event stream, errors, and real clients.
+
+Most tests run on the tiny random model (answers are noise, shapes are not) and on the tiny scripted Qwen3 of
+test_reasoning.py (a known answer with known thinking). The Agents SDK runs against a live server on the default
+model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import ThreadServer
+from test_reasoning import THINKS, _app, qwen3_tokenizer, scripted_lm
+
+from app.openai.responses_protocol import ResponsesRequest
+
+QUESTION = "Which city is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    with ThreadServer(_app(scripted_lm(qwen3_tokenizer(), THINKS))) as server:
+        yield server
+
+
+def post(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/responses", json={"model": server.model, **body}, timeout=30)
+
+
+def events(server, **body) -> list[tuple[str, dict]]:
+    """(SSE event name, payload) pairs, plus ("[DONE]", {}) if the stream ends with it."""
+    out, name = [], None
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=30,
+                      json={"model": server.model, "stream": True, **body}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(("[DONE]", {}) if data == "[DONE]" else (name, json.loads(data)))
+    return out
+
+
+@pytest.fixture
+def tiny(make_tiny_server):
+    server = make_tiny_server()
+    server.model = "tiny"
+    return server
+
+
+@pytest.fixture(autouse=True)
+def _name_thinker(thinker):
+    thinker.model = "qwen3-tiny"
+
+
+def test_text_answer_equals_chat_completions(tiny):
+    """One path underneath: the same request through both APIs gives the same text and token counts."""
+    r = post(tiny, input=QUESTION, instructions="Answer briefly.", temperature=0, max_output_tokens=12,
+             ignore_eos=True)
+    assert r.status_code == 200, r.text
+    resp = r.json()
+    chat = httpx.post(tiny.url + "/v1/chat/completions", json={
+        "model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}]}).json()
+    assert resp["id"].startswith("resp_") and resp["object"] == "response" and resp["model"] == "tiny"
+    (message,) = resp["output"]
+    assert message["type"] == "message" and message["role"] == "assistant" and message["id"].startswith("msg_")
+    assert message["content"][0]["type"] == "output_text"
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert resp["usage"]["output_tokens"] == 12 == chat["usage"]["completion_tokens"]
+    assert resp["usage"]["total_tokens"] == resp["usage"]["input_tokens"] + 12
+    # cut off by max_output_tokens, as OpenAI reports it
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["store"] is False and resp["instructions"] == "Answer briefly."
+
+
+def test_stream_events_in_order(tiny):
+    stream = events(tiny, input=[{"type": "message", "role": "user",
+                                  "content": [{"type": "input_text", "text": QUESTION}]}],
+                    temperature=0, max_output_tokens=10, ignore_eos=True)
+    names = [name for name, _ in stream]
+    assert names[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], "no [DONE] after a finished response, as OpenAI"
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    payloads = [p for _, p in stream]
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert all(p["type"] == name for name, p in stream)
+    final = payloads[-1]["response"]
+    text = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
+    assert text == final["output"][0]["content"][0]["text"] == payloads[-4]["text"]
+    whole = post(tiny, input=QUESTION, temperature=0, max_output_tokens=10, ignore_eos=True).json()
+    assert text == whole["output"][0]["content"][0]["text"] and final["usage"] == whole["usage"]
+
+
+def test_reasoning_items(thinker):
+    resp = post(thinker, input=QUESTION, temperature=0).json()
+    assert resp["status"] == "completed"
+    reasoning, message = resp["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "The Paris is"}]
+    assert message["content"][0]["text"] == "Paris"
+    # <think> The Paris is </think> are thinking; \n\n Par is <|im_end|> the answer
+    assert resp["usage"]["output_tokens"] == 9 and resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    stream = events(thinker, input=QUESTION, temperature=0)
+    kinds = [p["type"] for _, p in stream]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(p.get("delta", "") for _, p in stream if p["type"] == "response.reasoning_text.delta") \
+        == "The Paris is"
+    assert kinds[-1] == "response.completed"
+    final = stream[-1][1]["response"]["output"]
+    assert [(i["type"], i["status"], i["content"]) for i in final] == \
+        [(i["type"], i["status"], i["content"]) for i in resp["output"]]
+    off = post(thinker, input=QUESTION, temperature=0, chat_template_kwargs={"enable_thinking": False}).json()
+    assert [item["type"] for item in off["output"]] == ["message"]
+
+
+def test_openai_sdk_create_and_stream(thinker):
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused")
+    resp = client.responses.create(model="qwen3-tiny", input=QUESTION, temperature=0)
+    assert resp.output_text == "Paris" and resp.status == "completed"
+    assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text == "The Paris is"
+    assert resp.usage.input_tokens > 0 and resp.usage.output_tokens == 9
+    with client.responses.stream(model="qwen3-tiny", input=QUESTION, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "Paris"
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_input_items_become_the_conversation():
+    """Items map onto chat messages: instructions first, earlier answers (with their thinking) as assistant turns."""
+    body = ResponsesRequest(model="m", instructions="Be brief.", input=[
+        {"role": "user", "content": "Hi"},  # the SDK's short form: no "type"
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "greet"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"type": "message", "role": "developer", "content": "Stay calm."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]}])
+    assert body.to_chat_request().chat_messages() == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "system", "content": "Stay calm."}, {"role": "user", "content": "Bye"}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+    ({"input": []}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the tiny model does not think
+    ({"model": "other"}, "model"),
+])
+def test_clear_400s(tiny, extra, param):
+    r = post(tiny, **{"input": "hi", **extra})
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
+    import app.core.engine as engine_module
+
+    calls = {"n": 0}
+    real = engine_module.forward_many
+
+    def flaky(model, work):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return real(model, work)
+
+    monkeypatch.setattr(engine_module, "forward_many", flaky)
+    stream = events(tiny, input="hi", max_output_tokens=10, ignore_eos=True)
+    assert stream[-1][0] == "[DONE]"
+    name, error = stream[-2]
+    assert name == "error" and "simulated device failure" in error["message"]
+    assert error["sequence_number"] == stream[-3][1]["sequence_number"] + 1
