@@ -64,8 +64,10 @@ QWEN3_TEMPLATE = (
 def qwen3_tokenizer():
     tokenizer = build_tiny_tokenizer()
     # As in Qwen3: added tokens, but not special ones, so decoding keeps them and the splitter must take them out.
-    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
-                          AddedToken("</think>", special=False, normalized=False)])
+    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False)
+                          for text in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    # Not Qwen3's: a whole call as one token, so that a token chain can write it (see scripted_lm)
+    tokenizer.add_tokens([AddedToken(CALL, special=False, normalized=False)])
     tokenizer.chat_template = QWEN3_TEMPLATE
     return tokenizer
 
@@ -113,6 +115,15 @@ def scripted_lm(tokenizer, chain: list[str]) -> LoadedModel:
 THINKS = ["\n", "<think>", "The", " Paris", " is", "</think>", "\n\n", "Par", "is", "<|im_end|>"]
 # This one never stops thinking: " is" leads back to "The".
 THINKS_FOREVER = ["\n", "<think>", "The", " Paris", " is", "The"] + ["\n\n", "Par", "is", "<|im_end|>"]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+# Thinks, then calls a tool in Qwen's Hermes format; or writes a call while thinking, which is no call.
+THINKS_THEN_CALLS = ["\n", "<think>", "The", " Paris", " is", "</think>", "\n\n", "<tool_call>", CALL, "</tool_call>",
+                     "<|im_end|>"]
+CALLS_WHILE_THINKING = ["\n", "<think>", "<tool_call>", CALL, "</tool_call>", "</think>", "\n\n", "Par", "is",
+                        "<|im_end|>"]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +250,26 @@ def test_earlier_thinking_reaches_the_template(tokenizer):
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "thought"}])
     rendered = tokenizer.apply_chat_template(body.chat_messages(), tokenize=False)
     assert "<think>\nthought\n</think>\n\nb" in rendered
+
+
+def test_tool_calls_only_after_the_thinking(tokenizer):
+    with ThreadServer(_app(scripted_lm(tokenizer, THINKS_THEN_CALLS))) as server:
+        choice = chat(server, tools=[WEATHER_TOOL])["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        message = choice["message"]
+        assert message["reasoning_content"] == "The Paris is" and message["content"] is None
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        streamed = chat(server, stream=True, tools=[WEATHER_TOOL])
+        assert joined(streamed, "reasoning") == "The Paris is"
+        calls = [d for c in streamed for d in c["choices"][0]["delta"].get("tool_calls") or []]
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert json.loads("".join(d["function"]["arguments"] for d in calls)) == {"city": "Paris"}
+    with ThreadServer(_app(scripted_lm(tokenizer, CALLS_WHILE_THINKING))) as server:
+        choice = chat(server, tools=[WEATHER_TOOL])["choices"][0]
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == "Paris" and "get_weather" in choice["message"]["reasoning_content"]
 
 
 # ---- the thinking budget ----

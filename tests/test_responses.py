@@ -13,11 +13,12 @@ import httpx
 import openai
 import pytest
 from conftest import ThreadServer
-from test_reasoning import THINKS, _app, qwen3_tokenizer, scripted_lm
+from test_reasoning import THINKS, THINKS_THEN_CALLS, WEATHER_TOOL, _app, qwen3_tokenizer, scripted_lm
 
 from app.openai.responses_protocol import ResponsesRequest
 
 QUESTION = "Which city is the capital of France?"
+FLAT_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat shape
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +149,55 @@ def test_input_items_become_the_conversation():
         {"role": "system", "content": "Stay calm."}, {"role": "user", "content": "Bye"}]
 
 
+@pytest.fixture(scope="module")
+def caller():
+    with ThreadServer(_app(scripted_lm(qwen3_tokenizer(), THINKS_THEN_CALLS))) as server:
+        server.model = "qwen3-tiny"
+        yield server
+
+
+def test_function_call_items(caller):
+    resp = post(caller, input="Weather in Paris?", tools=[FLAT_TOOL], temperature=0).json()
+    assert resp["status"] == "completed"
+    reasoning, call = resp["output"]
+    assert reasoning["type"] == "reasoning" and call["type"] == "function_call" and call["id"].startswith("fc_")
+    assert call["call_id"].startswith("call_") and call["name"] == "get_weather" and call["status"] == "completed"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    stream = events(caller, input="Weather in Paris?", tools=[FLAT_TOOL], temperature=0)
+    kinds = [p["type"] for _, p in stream]
+    at = kinds.index("response.function_call_arguments.done")
+    assert kinds[at - 1] == "response.function_call_arguments.delta" and kinds[at + 1] == "response.output_item.done"
+    added = [p for _, p in stream if p["type"] == "response.output_item.added"][-1]
+    assert added["item"]["type"] == "function_call" and added["item"]["name"] == "get_weather"
+    assert added["item"]["arguments"] == ""
+    arguments = "".join(p["delta"] for _, p in stream if p["type"] == "response.function_call_arguments.delta")
+    assert arguments == stream[at][1]["arguments"] and json.loads(arguments) == {"city": "Paris"}
+    assert kinds[-1] == "response.completed"
+    # the SDK's stream helper checks that items keep their identity from added to done to completed
+    client = openai.OpenAI(base_url=caller.url + "/v1", api_key="unused")
+    with client.responses.stream(model="qwen3-tiny", input="Weather?", tools=[FLAT_TOOL], temperature=0) as s:
+        final = s.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].name == "get_weather"
+
+
+def test_tool_round_trip_input(caller):
+    """The call and its output come back as input items: an assistant turn with tool_calls, then a tool turn."""
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}]
+    chat = ResponsesRequest(model="m", input=items, tools=[FLAT_TOOL]).to_chat_request()
+    assert chat.chat_messages()[1:] == [
+        {"role": "assistant", "content": "", "reasoning_content": "t",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "call_1"}]
+    assert chat.tools[0].function.name == "get_weather"
+    r = post(caller, input=items, tools=[FLAT_TOOL], tool_choice="auto", temperature=0)
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
@@ -187,3 +237,42 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
     name, error = stream[-2]
     assert name == "error" and "simulated device failure" in error["message"]
     assert error["sequence_number"] == stream[-3][1]["sequence_number"] + 1
+
+
+# ---- the OpenAI Agents SDK against a live server on the default model ----
+
+@pytest.mark.real_model
+@pytest.mark.server
+def test_agents_sdk_runs_an_agent_with_a_function_tool(tmp_path_factory):
+    """An agent with one function tool, over the Responses API: the model calls the tool, the SDK runs it and
+    sends the result back as a function_call_output item, and the model answers."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+    from test_server_real import MODEL, finish, started
+
+    set_tracing_disabled(True)  # tracing would try to upload to OpenAI
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    server = started(tmp_path_factory, "agents")
+    failed = True
+    try:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        agent = Agent(name="weather", instructions="You answer weather questions. Always call get_weather first.",
+                      tools=[get_weather], model=OpenAIResponsesModel(MODEL, client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=48))
+        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+        kinds = [type(item) for item in result.new_items]
+        assert calls == ["Paris"]
+        assert kinds[:3] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem], kinds
+        assert isinstance(result.final_output, str) and result.final_output.strip()
+        failed = False
+    finally:
+        finish(server, failed)
