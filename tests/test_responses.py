@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from conftest import ThreadServer
-from test_reasoning import THINKS, THINKS_THEN_CALLS, WEATHER_TOOL, _app, qwen3_tokenizer, scripted_lm
+from test_reasoning import THINKS, THINKS_FOREVER, THINKS_THEN_CALLS, WEATHER_TOOL, _app, qwen3_tokenizer, scripted_lm
 
 from app.openai.responses_protocol import ResponsesRequest
 
@@ -120,6 +120,18 @@ def test_reasoning_items(thinker):
         [(i["type"], i["status"], i["content"]) for i in resp["output"]]
     off = post(thinker, input=QUESTION, temperature=0, chat_template_kwargs={"enable_thinking": False}).json()
     assert [item["type"] for item in off["output"]] == ["message"]
+
+
+def test_reasoning_effort_caps_the_thinking():
+    with ThreadServer(_app(scripted_lm(qwen3_tokenizer(), THINKS_FOREVER))) as server:
+        server.model = "qwen3-tiny"
+        endless = post(server, input=QUESTION, temperature=0, max_output_tokens=20).json()
+        assert endless["status"] == "incomplete" and [i["type"] for i in endless["output"]] == ["reasoning"]
+        assert endless["output"][0]["status"] == "incomplete"
+        capped = post(server, input=QUESTION, temperature=0, max_output_tokens=40,
+                      reasoning={"effort": "minimal"}).json()
+        assert capped["status"] == "completed" and [i["type"] for i in capped["output"]] == ["message"]
+        assert capped["output"][0]["content"][0]["text"] == "Paris"
 
 
 def test_openai_sdk_create_and_stream(thinker):
