@@ -174,8 +174,8 @@ def test_qwen3_loads_and_decodes_like_generate(tmp_path, tokenizer):
     lm = load_model(str(tmp_path), device="cpu", dtype="float32")
     assert lm.model.config.model_type == "qwen3" and reasoning_format(lm.tokenizer) is not None
     prompt = lm.encode_chat([{"role": "user", "content": "Paris is a city"}])
-    ours = [e.token_id for e in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=24, do_sample=False,
-                                                                                       ignore_eos=True), (), 256)]
+    greedy = SamplingParams(max_tokens=24, do_sample=False, ignore_eos=True)
+    ours = [e.token_id for e in generate(lm.model, lm.tokenizer, prompt, greedy, (), 256)]
     theirs = lm.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert ours == theirs[0, len(prompt):].tolist()
 
