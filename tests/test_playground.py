@@ -25,7 +25,7 @@ from app.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOT = REPO / "docs" / "playground.png"
-WEB_FILES = ("index.html", "playground.js", "playground.css")
+WEB_FILES = ("index.html", "playground.js", "inspector.js", "playground.css")
 CONTROLS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
