@@ -28,7 +28,8 @@ from sse_starlette import EventSourceResponse
 from app.errors import InvalidRequest, ServeError
 from app.openai.protocol import ChatCompletionRequest, now
 from app.openai.responses_protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from app.openai.serving import SSE_PING_S, Choice, CompletionServing, Delta, record_timing
+from app.openai.answer import Choice, Delta
+from app.openai.serving import SSE_PING_S, CompletionServing, record_timing
 from app.openai.tools import ToolCallDelta
 
 log = logging.getLogger("app.openai.responses")

@@ -1,7 +1,8 @@
 """Chat and text completions: engine events in, OpenAI-shaped JSON or SSE chunks out.
 
 The routes in api.py stay thin; this is where a request is checked against the served model, turned into
-prompt ids and SamplingParams, submitted, and where its events become the exact shapes the openai SDK expects.
+prompt ids and SamplingParams, submitted, and where its events become the exact shapes the openai SDK expects
+(app/openai/answer.py turns each token event into what the client sees).
 A stream that fails after the 200 ends with an SSE error event and `[DONE]`, never a torn connection; a client
 that leaves cancels its generation at once.
 """
@@ -12,7 +13,6 @@ import asyncio
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -20,14 +20,15 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
-from app.core.engine import Engine, RequestHandle
+from app.core.engine import Engine
 from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
+from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
-from app.openai.tools import ToolCallDelta, ToolCallParser, make_parser, tool_format
-from app.core.sampling import Inspection, SamplingParams
+from app.openai.tools import make_parser, tool_format
+from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.openai.serving")
 SSE_PING_S = 15
@@ -36,70 +37,6 @@ DISCONNECT_POLL_S = 0.2
 
 def error_body(err: ServeError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
-
-
-@dataclass
-class Delta:
-    """What one token event adds to a choice, as the client sees it: thinking first, then the answer."""
-
-    reasoning: str = ""
-    content: str = ""
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    inspect: dict[str, Any] | None = None  # the token inspector's stages, when asked for
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # after the content, when tools are parsed
-
-    @property
-    def empty(self) -> bool:
-        return not (self.reasoning or self.content or self.logprobs or self.finish_reason or self.inspect
-                    or self.tool_calls)
-
-
-@dataclass
-class Choice:
-    """What one choice has produced so far. `splitter` is set for a reasoning model's chat answers."""
-
-    index: int
-    handle: RequestHandle
-    splitter: ReasoningSplitter | None = None
-    text: list[str] = field(default_factory=list)  # the answer (content)
-    reasoning: list[str] = field(default_factory=list)
-    tokens: int = 0
-    reasoning_tokens: int = 0  # tokens generated before the answer began (the thinking and its tags)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    inspect: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    parser: ToolCallParser | None = None  # set when the answer is searched for tool calls
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index, as parsed so far
-
-    def message(self) -> dict[str, Any]:
-        """The chat `message`: a reasoning model's answer also carries its thinking, under both names; with tools,
-        the calls, and content only if there is some."""
-        content = "".join(self.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if self.parser is not None:
-            message["content"] = content if content.strip() else None
-            if self.tool_calls:
-                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        if self.splitter is None:
-            return message
-        reasoning = "".join(self.reasoning) or None
-        return {**message, "content": message["content"] or None, "reasoning_content": reasoning,
-                "reasoning": reasoning}
-
-    def parse_tools(self, content: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
-        """Content deltas through the tool-call parser: (what stays content, call deltas)."""
-        items = self.parser.feed(content) if content else []
-        if finished:
-            items += self.parser.finish()
-        calls = [i for i in items if isinstance(i, ToolCallDelta)]
-        for d in calls:
-            if d.id is not None:
-                self.tool_calls[d.index] = {"id": d.id, "type": "function",
-                                            "function": {"name": d.name, "arguments": d.arguments}}
-            else:
-                self.tool_calls[d.index]["function"]["arguments"] += d.arguments
-        return "".join(i for i in items if isinstance(i, str)), calls
 
 
 class CompletionServing:
@@ -209,33 +146,7 @@ class CompletionServing:
             self._add(choice, event)
 
     def _add(self, choice: Choice, event: TokenEvent) -> Delta:
-        """Record one token event in its choice; return what it shows the client."""
-        choice.tokens += 1
-        reasoning, content = "", event.text
-        if choice.splitter is not None:
-            choice.reasoning_tokens += choice.splitter.state != "content"
-            reasoning, content = choice.splitter.feed(event.text)
-            if event.finish_reason is not None:
-                more_reasoning, more_content = choice.splitter.flush()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        calls: list[ToolCallDelta] = []
-        finish_reason = event.finish_reason
-        if choice.parser is not None:
-            content, calls = choice.parse_tools(content, finished=finish_reason is not None)
-            if choice.tool_calls and finish_reason == "stop":  # max_tokens cutting a call stays "length"
-                finish_reason = "tool_calls"
-        choice.reasoning.append(reasoning)
-        choice.text.append(content)
-        logprobs = None
-        if event.logprob is not None:
-            logprobs = event_logprobs(self.lm.tokenizer, event)
-            choice.logprobs.append(logprobs)
-        inspect = None
-        if event.inspection is not None:
-            inspect = inspect_entry(self.lm.tokenizer, event.inspection)
-            choice.inspect.append(inspect)
-        choice.finish_reason = finish_reason or choice.finish_reason
-        return Delta(reasoning, content, logprobs, finish_reason, inspect, calls)
+        return choice.add(event, self.lm.tokenizer)
 
     async def deltas(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every choice's deltas in arrival order, skipping events that show nothing yet (an incomplete character,
@@ -379,25 +290,6 @@ def record_timing(request: Request, choices: list[Choice]) -> None:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def token_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def event_logprobs(tokenizer, event: TokenEvent) -> dict[str, Any]:
-    entry = token_entry(tokenizer, event.token_id, event.logprob)
-    entry["top_logprobs"] = [token_entry(tokenizer, t, lp) for t, lp in (event.top_logprobs or [])]
-    return entry
-
-
-def inspect_entry(tokenizer, inspection: Inspection) -> dict[str, Any]:
-    """The token inspector's wire shape: `probs[i]` is the candidate's probability after `stages[i]`."""
-    return {"token": {"id": inspection.chosen, "text": tokenizer.decode([inspection.chosen])},
-            "stages": inspection.stages,
-            "candidates": [{"id": t, "text": tokenizer.decode([t]), "probs": [round(p, 6) for p in probs]}
-                           for t, probs in zip(inspection.token_ids, inspection.probs)]}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
