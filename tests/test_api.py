@@ -304,36 +304,62 @@ def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellat
     assert metric(server, 'simple_serve_generations_finished_total{reason="error"}') == 2
 
 
+class GracefulThreadServer:
+    """`python -m app serve`'s GracefulServer (drain, exit codes) around the tiny model, in a thread."""
+
+    def __init__(self, tiny_lm, **settings):
+        import threading
+
+        import uvicorn
+
+        from app.config import Settings
+        from app.main import GracefulServer, create_app
+        from tests.conftest import free_port, wait_until_ready
+
+        app = create_app(Settings(model="tiny", **settings), lm=tiny_lm)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                                     app.state.serve)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until_ready(self.url, timeout=120)
+
+    def exited(self, timeout: float = 30) -> bool:
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():
+            self.server.should_exit = self.server.force_exit = True  # don't leave it running after a failure
+            return False
+        return True
+
+
 def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, monkeypatch):
     """SIGTERM with a stream that outlasts SHUTDOWN_GRACE_S: the stream ends with an error event and [DONE]
     (not a cut connection), and the server exits."""
     import signal
-    import threading
-
-    import uvicorn
 
     import app.core.engine as engine_module
-    from app.config import Settings
-    from app.main import GracefulServer, create_app
-    from tests.conftest import free_port, wait_until_ready
 
     real = engine_module.forward_many
     monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.05), real(m, w))[1])
-    app = create_app(Settings(model="tiny", shutdown_grace_s=0.5), lm=tiny_lm)
-    port = free_port()
-    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), app.state.serve)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until_ready(url, timeout=120)
-    with httpx.stream("POST", url + CHAT, json=chat_body(stream=True, max_tokens=200), timeout=60) as r:
+    server = GracefulThreadServer(tiny_lm, shutdown_grace_s=0.5)
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, max_tokens=200), timeout=60) as r:
         lines = r.iter_lines()
         next(lines)  # streaming
-        server.handle_exit(signal.SIGTERM, None)
+        server.server.handle_exit(signal.SIGTERM, None)
         payloads = [line[6:] for line in lines if line.startswith("data: ")]
-    thread.join(timeout=30)
-    assert not thread.is_alive(), "the server exited"
+    assert server.exited() and server.server.exit_code == 0
     assert payloads[-1] == "[DONE]"
     error = json.loads(payloads[-2])["error"]
     assert error["code"] == "service_unavailable" and "grace period" in error["message"]
     assert len(payloads) < 150, "ended by the deadline, not by max_tokens"
+
+
+def test_server_exits_with_code_1_when_the_engine_dies(tiny_lm, monkeypatch):
+    from app.core.engine import Engine
+
+    server = GracefulThreadServer(tiny_lm)
+    monkeypatch.setattr(Engine, "_emit", lambda self, handle, event: 1 / 0)
+    r = httpx.post(server.url + CHAT, json=chat_body(), timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert server.exited() and server.server.exit_code == 1
