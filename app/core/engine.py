@@ -287,18 +287,18 @@ class Engine:
             half = (len(retry) + 1) // 2
             return self._run_pass(retry[:half]) + self._run_pass(retry[half:]) if retry else []
 
-    def _forward_and_choose(self, group: list[tuple[RequestHandle, Sequence, int]]):
+    def _forward_and_choose(self, group: list[tuple[RequestHandle, Sequence, int]]
+                            ) -> list[tuple[RequestHandle, TokenEvent]]:
         logits = self._forward(group)  # [len(group), vocab]
         # Rows whose prefill chunk was not the prompt's last have no token yet.
         rows = [row for row, (_, seq, _) in enumerate(group) if not seq.prefilling]
         if not rows:
             return []
         ready = [group[row][:2] for row in rows]  # (handle, seq)
-        for _, seq in ready:
-            if seq.n_generated == 0:
-                self.metrics.prompt_tokens.inc(seq.prompt_len)
+        prompts_done = sum(seq.prompt_len for _, seq in ready if seq.n_generated == 0)
         chosen = choose_many([seq for _, seq in ready], logits if len(rows) == len(group) else logits[rows],
                              self._sampling_pool)
+        self.metrics.prompt_tokens.inc(prompts_done)
         return [(handle, event) for (handle, _), event in zip(ready, chosen)]
 
     def _forward(self, group: list[tuple[RequestHandle, Sequence, int]]) -> torch.Tensor | None:
