@@ -249,6 +249,9 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
     name, error = stream[-2]
     assert name == "error" and "simulated device failure" in error["message"]
     assert error["sequence_number"] == stream[-3][1]["sequence_number"] + 1
+    # counted as the error it ended with, not as a 200, and not as a client cancellation
+    metrics = httpx.get(tiny.url + "/metrics").text
+    assert 'status="500"} 1.0' in metrics and "simple_serve_cancellations_total 0.0" in metrics
 
 
 # ---- the OpenAI Agents SDK against a live server on the default model ----

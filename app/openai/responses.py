@@ -58,7 +58,7 @@ class ResponsesServing:
         return JSONResponse(answer.response("done"), headers=headers)
 
     async def _stream(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
-        finished = False
+        finished = failed = False
         try:
             for event in answer.start_events():
                 yield event
@@ -67,13 +67,15 @@ class ResponsesServing:
                     yield event
             finished = True
         except ServeError as err:  # after the 200: an error event in OpenAI's shape, then the end of the stream
+            failed = True
             log.warning("response %s failed: %s", answer.id, err.message)
+            request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
             yield answer.event("error", code=err.code or err.error_type, message=err.message, param=err.param)
         finally:
             if not finished:
-                for c in choices:
-                    c.handle.cancel()
-                request.state.cancelled = True
+                for c in choices:  # after a failure, stopped by us, not by the client
+                    c.handle.cancel(client_left=not failed)
+                request.state.cancelled = not failed
             record_timing(request, choices)
         if not finished:
             yield {"data": "[DONE]"}
