@@ -17,9 +17,10 @@ from app.openai.tools import HermesToolParser
 from conftest import ThreadServer
 
 CHAT = "/v1/chat/completions"
-# A small Hermes-style template in the shape of Qwen2.5's: tools in the system turn, calls rendered with tojson.
+# A small Hermes-style template in the shape of Qwen2.5's: tools in the system turn (names only: the tiny model's
+# context is 256 tokens), calls rendered with tojson.
 HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>"
     "Answer with <tool_call></tool_call><|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
@@ -67,14 +68,14 @@ def test_history_renders_arguments_as_a_dict_and_tool_turns(hermes_lm):
                                                    tokenize=False, add_generation_prompt=True)
     assert '"arguments": {"city": "Paris"}' in text  # a dict, not a string encoded twice
     assert "<tool_response>\n22 C, sunny\n</tool_response>" in text
-    assert '"name": "get_weather"' in text.split("<tools>")[1]
+    assert "<tools>get_weather </tools>" in text
 
 
 def test_tools_reach_the_prompt_and_the_answer_is_well_formed(hermes_server):
     short = {"messages": [{"role": "user", "content": "Hi"}]}  # the tiny model's context is 256 tokens
     with_tools = httpx.post(hermes_server.url + CHAT, json=body(**short)).json()
     without = httpx.post(hermes_server.url + CHAT, json=body(tools=None, **short)).json()
-    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 20
+    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 5
     message = with_tools["choices"][0]["message"]
     assert message["role"] == "assistant" and (message["content"] is None or isinstance(message["content"], str))
 

@@ -80,6 +80,8 @@ class Sequence:
         self.finish_reason: str | None = None
         # a reasoning model's thinking: once its budget is spent, the tokens that close it are forced
         self.preamble = PreambleState(params.preamble) if params.preamble is not None else None
+        # structured output: a grammar masks the answer's tokens (after any thinking); EOS is the grammar's to allow
+        self.grammar = params.grammar.matcher() if params.grammar is not None else None
 
     @property
     def n_generated(self) -> int:
@@ -98,12 +100,20 @@ class Sequence:
         """Greedy with nothing to apply first: the next token is the argmax of the raw logits."""
         p = self.params
         return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-                and not p.logit_bias and not p.inspect and not self._banned())
+                and not p.logit_bias and not p.inspect and not self._banned() and not self.constrained)
+
+    @property
+    def constrained(self) -> bool:
+        """The grammar applies to the next token: there is one, and any thinking is over."""
+        return self.grammar is not None and (self.preamble is None or (self.preamble.ended
+                                                                       and self.preamble.forced_token() is None))
 
     def forced_token(self) -> int | None:
         return self.preamble.forced_token() if self.preamble is not None else None
 
     def _banned(self) -> list[int]:
+        if self.grammar is not None:  # the grammar decides when EOS may come: when the document is complete
+            return []
         return self.banned_until_min if self.n_generated < self.params.min_tokens else []
 
     def choose(self, logits: torch.Tensor) -> TokenEvent:
@@ -113,12 +123,16 @@ class Sequence:
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [1, vocab] -> the token [1], on the device: nothing waits for it."""
         self.stages = [] if self.params.inspect else None
+        if self.constrained:
+            logits = self.grammar.mask(logits)  # tokens the grammar forbids become -inf before anything else
         scores = process_logits(logits, self.params, self.token_ids[:, : self.length],
                                 self.token_ids[:, self.prompt_len : self.length], self._banned(), self.stages)
         return sample(scores, self.params, self.generator)
 
     def accept(self, token_id: int, logits: torch.Tensor) -> TokenEvent:
         """Append the chosen token and turn it into an event: logprobs if asked, text, stop checks."""
+        if self.constrained and not self.grammar.accept(token_id):
+            raise RuntimeError(f"token {token_id} does not continue the grammar")  # the mask makes this impossible
         self.token_ids[:, self.length] = token_id
         self.length += 1
         if self.preamble is not None:
@@ -138,6 +152,8 @@ class Sequence:
         p = self.params
         reason = token_finish_reason(event.token_id, self.n_generated, self.max_new_tokens, self.eos_ids,
                                      p.min_tokens, p.ignore_eos)
+        if reason is None and self.grammar is not None and self.grammar.terminated:
+            reason = "stop"  # the document is complete: nothing may follow it, whatever ignore_eos says
         text = self.detokenizer.add(event.token_id)
         if reason is not None:  # the last token: release what the detokenizer still holds
             text += self.detokenizer.flush()

@@ -55,6 +55,7 @@ class SamplingParams:
     inspect: int = 0  # > 0: record that many top candidates at every stage of the pipeline (costs time; opt-in)
     do_sample: bool = True
     preamble: Preamble | None = None  # a reasoning model's thinking: its end marker and token budget
+    grammar: Any = field(default=None, compare=False)  # app.core.constraints.Grammar: the answer must match it
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, why: str) -> None:
@@ -89,8 +90,9 @@ class SamplingParams:
 
     def effective(self) -> dict[str, Any]:
         """What will actually be used, for the `x-sampling-params` header and `--show-logits`."""
-        skip = ("logit_bias", "stop", "preamble")
+        skip = ("logit_bias", "stop", "preamble", "grammar")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        out["grammar"] = self.grammar.description if self.grammar is not None else None
         if self.preamble is not None:
             out["preamble_budget"] = self.preamble.budget
         out["stop"] = list(self.stop)

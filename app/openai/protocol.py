@@ -125,9 +125,10 @@ class _SamplingFields(BaseModel):
         return None  # only chat answers think
 
     def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0,
-                           reasoning: ReasoningFormat | None = None) -> SamplingParams:
+                           reasoning: ReasoningFormat | None = None, grammar: Any = None) -> SamplingParams:
         """Request fields -> SamplingParams: the one place the wire format meets the engine. `reasoning`: how the
-        served model marks its thinking, or None for a model that does not think."""
+        served model marks its thinking, or None for a model that does not think. `grammar`: the compiled
+        constraint (app.openai.structured says what it enforces), or None."""
         self.unsupported_fields()
         logprobs, top_logprobs = self._logprob_settings()
         fields: dict[str, Any] = {
@@ -138,7 +139,7 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs, "top_logprobs": top_logprobs, "inspect": self.inspect.top if self.inspect else 0,
             # choices of one request must differ, yet stay reproducible for a fixed seed
             "seed": None if self.seed is None else self.seed + choice_index,
-            "preamble": self._preamble(reasoning),
+            "preamble": self._preamble(reasoning), "grammar": grammar,
         }
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             fields["top_k"] = 0

@@ -26,7 +26,9 @@ from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.core.constraints import Grammar, Grammars
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.structured import forced_tool_tag, response_schema
 from app.openai.tools import make_parser, tool_format
 from app.core.sampling import SamplingParams
 
@@ -48,6 +50,7 @@ class CompletionServing:
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
         self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
+        self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -56,9 +59,6 @@ class CompletionServing:
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         body.check_tools()
-        if body.forced_tools or body.json_format:
-            param = "tool_choice" if body.forced_tools else "response_format"
-            raise InvalidRequest(f"`{param}` needs constrained decoding, which is not built yet", param=param)
         if body.tools and self.tool_format is None:
             raise InvalidRequest(f"the chat template of {self.model_id!r} cannot show tools to the model, so "
                                  "`tools` cannot be served", param="tools")
@@ -76,11 +76,23 @@ class CompletionServing:
         if model != self.model_id:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
-    def start(self, body, request: Request, prompt_ids: list[int], chat: bool) -> tuple[list[Choice], dict]:
+    async def grammar(self, body: ChatCompletionRequest) -> Grammar | None:
+        """The compiled constraint a chat request asks for, if any: compiled in a worker thread (tens of ms for a
+        new schema, a dict lookup for a cached one), never on the event loop."""
+        if body.forced_tools:
+            tag = forced_tool_tag(self.tool_format, body.forced_tools, body.parallel_tool_calls)
+            return await asyncio.to_thread(self.grammars.structural_tag, tag)
+        if body.json_format:
+            return await asyncio.to_thread(self.grammars.json_schema, response_schema(body.response_format))
+        return None
+
+    def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
+              grammar: Grammar | None = None) -> tuple[list[Choice], dict]:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Chat completions and the Responses API both come through here."""
         reasoning = self.reasoning if chat else None
-        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning) for i in range(body.n)]
+        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar)
+                  for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
         choices = self._submit(prompt_ids, params, thinking)
         if chat and body.parse_tools:
@@ -91,7 +103,8 @@ class CompletionServing:
         return choices, headers
 
     async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
-        choices, headers = self.start(body, request, prompt_ids, chat)
+        grammar = await self.grammar(body) if chat else None
+        choices, headers = self.start(body, request, prompt_ids, chat, grammar)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         response_id = new_id(kind[0])
         request.state.request_id = response_id
