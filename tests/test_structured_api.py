@@ -104,3 +104,12 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(hermes_server, extra, param,
     r = post(hermes_server.url + CHAT, body(**extra))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+
+
+def test_responses_api_text_format_is_enforced_too(hermes_server):
+    fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+    r = post(hermes_server.url + "/v1/responses", {"model": "tiny", "input": "JSON please", "temperature": 0,
+                                                    "max_output_tokens": 60, "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    texts = [p["text"] for item in r.json()["output"] if item["type"] == "message" for p in item["content"]]
+    assert json.loads("".join(texts))["color"] in ("red", "green")

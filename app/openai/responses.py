@@ -44,7 +44,8 @@ class ResponsesServing:
         chat = body.to_chat_request()
         try:
             prompt_ids = self.serving.encode_chat(chat)
-            choices, headers = self.serving.start(chat, request, prompt_ids, chat=True)
+            grammar = await self.serving.grammar(chat)  # text.format json_schema, a forced tool_choice
+            choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent
             err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
             raise
