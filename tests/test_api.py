@@ -75,14 +75,15 @@ def test_effective_sampling_params_header(make_tiny_server):
 def test_n_choices_and_seed(make_tiny_server):
     server = make_tiny_server()
     body = chat_body(n=3, temperature=1.5, seed=42)
-    a = httpx.post(server.url + CHAT, json=body).json()
-    b = httpx.post(server.url + CHAT, json=body).json()
+    # Three sampled choices over a 151,936-token vocabulary: allow for a slow or busy machine (httpx's default is 5 s).
+    a = httpx.post(server.url + CHAT, json=body, timeout=120).json()
+    b = httpx.post(server.url + CHAT, json=body, timeout=120).json()
     texts = [c["message"]["content"] for c in a["choices"]]
     assert [c["index"] for c in a["choices"]] == [0, 1, 2]
     assert texts == [c["message"]["content"] for c in b["choices"]], "same seed, same answers"
     assert len(set(texts)) > 1, "choices of one request differ"
     assert a["usage"]["completion_tokens"] == 36
-    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}) as r:
+    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}, timeout=120) as r:
         chunks = [c for c in sse_payloads(r) if c != "[DONE]"]
     for i, text in enumerate(texts):
         streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
