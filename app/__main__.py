@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     for flag in ("--model", "--served-model-name", "--host", "--device", "--dtype", "--api-key", "--log-level",
-                 "--model-cache"):
+                 "--model-cache", "--quant"):
         serve.add_argument(flag)
     for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes",
                  "--prefill-tokens-per-step"):
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device")
     gen.add_argument("--dtype")
     gen.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None)
+    gen.add_argument("--quant", help="none | int8")
     gen.add_argument("--show-logits", nargs="?", const=5, type=int, metavar="K",
                      help="print each step's top K candidates with their probability at every stage: raw, "
                           "penalties, temperature, top_k, top_p, min_p (default 5)")
@@ -54,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
     # the benchmarks are optional leaves of the CLI
-    from app.bench import compare as bench_compare, generate as bench_generate, serve as bench_serve
+    from app.bench import (compare as bench_compare, generate as bench_generate, quality as bench_quality,
+                           serve as bench_serve)
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
     bench_compare.add_arguments(bench_kinds.add_parser("compare", help="ours vs transformers serve, same load"))
+    bench_quality.add_arguments(bench_kinds.add_parser("quality", help="perplexity and greedy agreement of bf16/int8"))
 
     args = parser.parse_args(argv)
     try:
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from app.cli import run_generate
 
-            return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack")))
+            return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack", "quant")))
         if args.command == "fetch-model":
             from app.models.fetch import fetch_model
 
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_generate.run(args)
         elif args.bench_command == "compare":
             bench_compare.run(args)
+        elif args.bench_command == "quality":
+            bench_quality.run(args)
         else:
             bench_serve.run(args)
         return 0

@@ -20,7 +20,8 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
     show = args.show_logits or 0
     if args.show_logits is not None and not 1 <= show <= MAX_INSPECT:
         raise InvalidRequest(f"--show-logits takes 1 to {MAX_INSPECT} candidates, got {show}", param="--show-logits")
-    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack)
+    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack,
+                    quant=settings.quant)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     request["inspect"] = show
     params = resolve_sampling_params(request, lm.generation_defaults)

@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     prepack: bool = Field(True, description="CPU + bf16: reorder linear weights once for oneDNN (bit-identical, faster)")
+    quant: Literal["none", "int8"] = Field("none", description="int8: every linear reads int8 weights (faster, "
+                                           "not exact; quality measured by `bench quality`)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")

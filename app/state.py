@@ -38,7 +38,7 @@ class ServerState:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
-                                         prepack=s.prepack)
+                                         prepack=s.prepack, quant=s.quant)
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
                                  s.kv_cache_bytes)
             self.engine.start()

@@ -18,6 +18,7 @@ import torch
 from app.errors import ConfigError
 from app.models.fetch import EMBEDDED, fetch_model
 from app.models.prepack import PackedLinear, prepack_linears, prepack_supported
+from app.models.quant import dynamic_int8_supported, quantize_linears
 
 log = logging.getLogger("app.models.loading")
 
@@ -110,19 +111,24 @@ def _fastest_cpu_dtype(hidden_size: int, prepack: bool) -> torch.dtype:
 
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
-               max_model_len: int | None = None, prepack: bool = True) -> LoadedModel:
+               max_model_len: int | None = None, prepack: bool = True, quant: str = "none") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
     source, kwargs = _locate(name_or_path, Path(cache_dir))
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        torch_dtype = resolve_dtype(dtype, torch_device, config.hidden_size, prepack)
+        if quant != "none" and dtype == "auto" and dynamic_int8_supported(torch_device, torch.float32):
+            torch_dtype = torch.float32  # int8 x uint8 dynamic kernels take fp32 activations (app/models/quant.py)
+        else:
+            torch_dtype = resolve_dtype(dtype, torch_device, config.hidden_size, prepack)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.to(torch_device).eval()
+    if quant != "none":
+        quantize_linears(model, quant)  # every linear, lm_head included; nothing is left for prepack below
     if prepack and prepack_supported(torch_device, model.dtype):
         prepack_linears(model)  # app/prepack.py: ~2.5x faster bf16 linears on CPU, bit-identical outputs
     defaults = _generation_defaults(model, source)

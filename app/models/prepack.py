@@ -78,6 +78,6 @@ def decode_bytes_per_step(model: nn.Module) -> int:
             continue
         for p in module.parameters(recurse=False):
             sizes[id(p)] = p.numel() * p.element_size()  # by id: a tied lm_head counts once, as the Linear it is
-        if isinstance(module, PackedLinear):
+        if hasattr(module, "weight_bytes"):  # prepacked or int8 (app/models/quant.py): not plain parameters
             sizes[id(module)] = module.weight_bytes
     return sum(sizes.values())

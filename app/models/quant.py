@@ -1,0 +1,126 @@
+"""`QUANT=int8`: every linear layer, lm_head included, reads int8 weights with one scale per output channel.
+
+A decode step reads every weight once, so on a CPU its speed is bytes read / memory bandwidth: int8 reads a quarter
+of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chosen by what the model runs in:
+- fp32 activations on a CPU with fbgemm (x86 with AVX2 or better): dynamic int8, `quantized::linear_dynamic`.
+  Each call quantizes its input rows to uint8 and multiplies int8 x uint8 with int32 sums. It is the fastest
+  here at every batch size (issue 14: 0.15 ms against fp32's 0.42 ms for one 896 x 4864 row, 0.25 against 1.57
+  ms for 8 rows).
+- anything else (bf16/fp16 activations, CUDA, a CPU without fbgemm): weight-only int8,
+  `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
+  It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.
+
+Neither is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
+values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
+top. `python -m app bench quality` measures both effects (perplexity on a fixed text and greedy agreement with the
+unquantized model) and the README lists the figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+log = logging.getLogger("app.models.quant")
+
+QUANT_MODES = ("none", "int8")
+
+
+def dynamic_int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """fbgemm (in the 'x86' and 'fbgemm' engines) needs AVX2; without it torch has no fast dynamic int8 path."""
+    engines = torch.backends.quantized.supported_engines
+    return (device.type == "cpu" and dtype == torch.float32 and ("x86" in engines or "fbgemm" in engines)
+            and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
+def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> int8 [out, in] and fp32 scales [out]: symmetric, the largest |w| of a row maps to 127."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """Drop-in `nn.Linear`: int8 weights, activations kept in their own dtype (bf16, fp16 or fp32)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scales = _per_channel_int8(linear.weight)
+        self.register_buffer("weight_int8", weight)  # [out, in]
+        self.register_buffer("scales", scales.to(linear.weight.dtype))  # the kernel wants the activations' dtype
+        self.bias = linear.bias
+        self.weight_bytes = weight.numel() + scales.numel() * scales.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class DynamicInt8Linear(nn.Module):
+    """Drop-in `nn.Linear` (CPU, fp32): int8 weights prepacked for fbgemm, activations quantized per call."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scales = _per_channel_int8(linear.weight)
+        with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the kernel has no other input
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(),
+                                                               torch.zeros_like(scales, dtype=torch.long), 0)
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self.weight_bytes = weight.numel() + scales.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
+        # reduce_range=False: the 'x86'/'fbgemm' engines' AVX-512 VNNI and AVX2 paths both take full-range uint8.
+        return torch.ops.quantized.linear_dynamic(x, self.packed, False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto") -> str:
+    """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the kernel used.
+
+    kernel: "auto" (dynamic where `dynamic_int8_supported`, else weight-only), "dynamic" or "weight_only".
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
+    if mode == "none":
+        return "none"
+    param = next(model.parameters())
+    if kernel == "auto":
+        kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
+    if kernel == "dynamic":
+        if "x86" in torch.backends.quantized.supported_engines:
+            torch.backends.quantized.engine = "x86"  # fbgemm for these shapes, with oneDNN where it is faster
+        make = DynamicInt8Linear
+    else:
+        make = WeightOnlyInt8Linear
+    _untie_lm_head(model)
+    count = 0
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, make(child))
+                    count += 1
+    log.info("quant=int8: %d linear layers now read int8 weights (%s kernel)", count, kernel)
+    return kernel
+
+
+def _untie_lm_head(model: nn.Module) -> None:
+    """A tied lm_head shares the embedding table; quantizing it must leave the (gathered, not multiplied) table."""
+    head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
+    if isinstance(head, nn.Linear) and embed is not None and head.weight is embed.weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
