@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium serve test test-fast screenshot bench bench-compare clean
+.PHONY: setup models chromium serve test test-fast screenshot bench bench-compare bench-quality gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -49,6 +49,14 @@ bench: setup
 # Ours next to `transformers serve` (with and without continuous batching), same weights and load: ~6 minutes.
 bench-compare: setup
 	$(PY) -m app bench compare
+
+# Perplexity and greedy agreement of bf16 and QUANT=int8 against fp32 (app/bench/quality.py): a few minutes.
+bench-quality: setup
+	$(PY) -m app bench quality
+
+# On a CUDA machine, < 10 minutes: GPU-marked tests, bench generate, bench serve, a summary. Stops at once without CUDA.
+gpu-check: setup
+	PY=$(PY) MODEL=$(MODEL) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

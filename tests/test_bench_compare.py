@@ -53,3 +53,39 @@ def test_bad_arguments_are_named(tmp_path):
     assert done.returncode != 0 and "--model" in done.stderr and "config.json" in done.stderr
     done = bench("--ignore-eos", cwd=tmp_path)  # transformers serve answers ignore_eos with a 422
     assert done.returncode != 0 and "--ignore-eos" in done.stderr
+
+
+def test_llamacpp_and_int8_server_commands(tmp_path):
+    from argparse import Namespace
+
+    from app.bench import compare, llamacpp
+
+    args = Namespace(device="cpu", dtype="bfloat16", concurrency=8)
+    ours = compare.server_command("ours-int8", tmp_path, 8001, args)
+    assert ours[ours.index("--quant") + 1] == "int8" and ours[ours.index("--dtype") + 1] == "auto"
+    plain = compare.server_command("ours", tmp_path, 8001, args)
+    assert plain[plain.index("--quant") + 1] == "none" and plain[plain.index("--dtype") + 1] == "bfloat16"
+    binary, gguf = tmp_path / "llama-server", tmp_path / "m.gguf"
+    peer = compare.server_command("llama.cpp", tmp_path, 8002, args, binary, gguf)
+    assert peer[0] == str(binary) and peer[peer.index("-m") + 1] == str(gguf)
+    assert peer[peer.index("--port") + 1] == "8002" and peer[peer.index("-np") + 1] == "8"
+    assert peer[peer.index("-c") + 1] == str(8 * 2048)  # each of the 8 slots gets 2,048 tokens of context
+    configure, build = llamacpp.build_commands(tmp_path / "src", tmp_path / "build", jobs=2)
+    assert configure[:2] == ["cmake", "-S"] and "-DLLAMA_CURL=OFF" in configure and "-DGGML_NATIVE=ON" in configure
+    assert build[-3:] == ["--target", "llama-server", "-j2"]
+
+
+def test_llamacpp_is_skipped_with_a_message_without_cmake(tmp_path, monkeypatch, capsys):
+    from argparse import Namespace
+
+    from app.bench import compare, llamacpp
+
+    monkeypatch.setenv("MODEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
+    binary, gguf, kinds = compare.prepare_llamacpp(Namespace(model="qwen2.5-coder-0.5b-instruct"),
+                                                   ["ours", "llama.cpp"])
+    assert (binary, gguf, kinds) == (None, None, ["ours"])
+    assert "llama.cpp skipped: cmake not found" in capsys.readouterr().out
+    # a local model directory has no GGUF for llama.cpp to serve
+    assert compare.prepare_llamacpp(Namespace(model=str(tmp_path)), ["llama.cpp", "ours"])[2] == ["ours"]
+    assert "not an embedded model" in capsys.readouterr().out

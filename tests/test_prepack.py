@@ -105,10 +105,11 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
                               repeats=1, kv_streams=2, kv_tokens=32, out=str(tmp_path / "bench.json"))
     result = bench_generate.run(args)
     printed = capsys.readouterr().out
-    for label in ("our loop, prepacked", "our loop, plain weights", "model.generate(), plain", "floor"):
+    for label in ("our loop, prepacked", "our loop, plain weights", "model.generate(), plain", "floor",
+                  "our loop, QUANT=int8"):
         assert label in printed
     assert result["prepacked"] is True
-    for key in ("ours", "ours_plain", "hf_generate", "hf_generate_prepacked"):
+    for key in ("ours", "ours_plain", "hf_generate", "hf_generate_prepacked", "ours_int8"):
         assert result[f"{key}_tokens_per_s"] > 0
     assert result["kv_bytes_held"] == result["kv_bytes_theory"] == 2 * 32 * 2 * 2 * 2 * 16 * 2
     assert (tmp_path / "bench.json").is_file()

@@ -1,7 +1,9 @@
-"""`python -m app bench compare`: simple-serve next to `transformers serve`, same weights, same load, one run.
+"""`python -m app bench compare`: simple-serve next to `transformers serve` and llama.cpp, same weights, same load.
 
-It starts each server as its own process on a loopback port: ours (`python -m app serve`), `transformers serve`
-and `transformers serve --continuous-batching`, all on the same model directory and dtype. Then it warms each
+It starts each server as its own process on a loopback port: ours (`python -m app serve`), ours with
+`QUANT=int8`, `transformers serve` and `transformers serve --continuous-batching`, all on the same model directory
+and dtype, and llama.cpp's `llama-server` (app/bench/llamacpp.py: built once from source) on the embedded model's
+own GGUF file, which is what our weights were dequantized from. Then it warms each
 up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
 so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
 and writes all figures as JSON. The README's comparison table comes from this command.
@@ -22,9 +24,10 @@ import httpx
 
 from app.bench import serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
-from app.models.fetch import EMBEDDED, fetch_model
+from app.bench import llamacpp
+from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
-SERVERS = ("ours", "transformers", "transformers-cb")
+SERVERS = ("ours", "ours-int8", "llama.cpp", "transformers", "transformers-cb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/compare-<timestamp>.json)")
 
 
-def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
-    if kind == "ours":
+def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespace,
+                   llama_server: Path | None = None, gguf: Path | None = None) -> list[str]:
+    if kind.startswith("ours"):
+        # int8 picks its own activation dtype (fp32 for the dynamic kernel on a CPU); see app/models/quant.py.
+        dtype, quant = ("auto", "int8") if kind == "ours-int8" else (args.dtype, "none")
         return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port),
-                "--device", args.device, "--dtype", args.dtype, "--served-model-name", str(model_dir)]
+                "--device", args.device, "--dtype", dtype, "--quant", quant, "--served-model-name", str(model_dir)]
+    if kind == "llama.cpp":
+        return llamacpp.server_command(llama_server, gguf, port, parallel=args.concurrency)
     transformers_cli = Path(sys.executable).with_name("transformers")
     command = [str(transformers_cli), "serve", str(model_dir), "--device", args.device, "--dtype", args.dtype,
                "--port", str(port), "--host", "127.0.0.1"]
@@ -87,6 +95,9 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = fetch_model(args.model, Settings().model_cache) if args.model in EMBEDDED else Path(args.model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"error: --model: {model_dir} is not a model directory (no config.json)")
+    llama_server, gguf, kinds = prepare_llamacpp(args, kinds)
+    if not kinds:
+        raise SystemExit("error: --servers: no server left to run")
     out = Path(args.out or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -95,11 +106,12 @@ def run(args: argparse.Namespace) -> dict:
         for kind in kinds:
             port = _free_port()
             log = out.with_name(f"{out.stem}-{kind}.log")
-            proc = subprocess.Popen(server_command(kind, model_dir, port, args), env=env,
+            proc = subprocess.Popen(server_command(kind, model_dir, port, args, llama_server, gguf), env=env,
                                     stdout=log.open("wb"), stderr=subprocess.STDOUT)
             procs[kind] = (proc, f"http://127.0.0.1:{port}")
-            # Ours answers /ready once loaded and warm; transformers serve has only /health. One load at a time.
-            wait_ready(procs[kind][1], "/ready" if kind == "ours" else "/health", proc, args.ready_timeout, log)
+            # Ours answers /ready once loaded and warm; the peers have /health (llama.cpp's is 503 while loading).
+            wait_ready(procs[kind][1], "/ready" if kind.startswith("ours") else "/health", proc, args.ready_timeout,
+                       log)
         for kind, (_, url) in procs.items():  # warm-up: first-request costs (transformers' CB manager starts here)
             bench_serve.measure(load_args(args, url, str(model_dir), 1, 2))
         scenarios = {"1 stream": (1, args.single_requests),
@@ -124,6 +136,21 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def prepare_llamacpp(args: argparse.Namespace, kinds: list[str]) -> tuple[Path | None, Path | None, list[str]]:
+    """Build (once) llama-server and find the GGUF; when either is impossible, drop llama.cpp with a message."""
+    if "llama.cpp" not in kinds:
+        return None, None, kinds
+    rest = [k for k in kinds if k != "llama.cpp"]
+    if args.model not in EMBEDDED:
+        print("llama.cpp skipped: it serves GGUF files, and --model is not an embedded model with one", flush=True)
+        return None, None, rest
+    binary, why = llamacpp.ensure_llama_server(Settings().model_cache)
+    if binary is None:
+        print(why, flush=True)
+        return None, None, rest
+    return binary, fetch_gguf(args.model, Settings().model_cache), kinds
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,6 +169,12 @@ def print_comparison(report: dict) -> None:
             print(f"{scenario:<12}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
                   f"{'-' if ttft is None else f'{ttft * 1e3:.0f} ms':>11}"
                   f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
+    for scenario, by_server in report["results"].items():  # issue 14's goals: ours-int8 against llama.cpp
+        ours, peer = by_server.get("ours-int8"), by_server.get("llama.cpp")
+        if ours and peer and peer["output_tokens_per_s"]["aggregate"] and peer["ttft_s"]["p50"]:
+            print(f"{scenario}: ours-int8 / llama.cpp: "
+                  f"{ours['output_tokens_per_s']['aggregate'] / peer['output_tokens_per_s']['aggregate']:.2f}x the "
+                  f"tokens/s, {(ours['ttft_s']['p50'] or 0) / peer['ttft_s']['p50']:.2f}x the TTFT p50")
     single, loaded = (by_server.get("ours") for by_server in report["results"].values())
     if single and loaded and single["output_tokens_per_s"]["aggregate"] and single["ttft_s"]["p50"]:
         print(f"ours, loaded vs 1 stream: {loaded['output_tokens_per_s']['aggregate'] / single['output_tokens_per_s']['aggregate']:.2f}x "

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
                         help="CPU + bf16: prepacked linear weights, as the server runs (default: on)")
+    parser.add_argument("--quant-variant", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time our loop with QUANT=int8 (app/models/quant.py; default: on)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (best is reported)")
     parser.add_argument("--kv-streams", type=int, default=8, help="sequences for the KV-memory check (0 skips it)")
@@ -106,6 +108,9 @@ def run(args: argparse.Namespace) -> dict:
     contenders = {"ours": (time_our_loop, lm), "hf_generate": (time_hf_generate, plain)}
     if prepacked:
         contenders |= {"ours_plain": (time_our_loop, plain), "hf_generate_prepacked": (time_hf_generate, lm)}
+    if getattr(args, "quant_variant", True):  # the int8 variant: not exact, its quality is `bench quality`'s
+        int8 = load_model(settings.model, settings.device, "auto", settings.model_cache, quant="int8")
+        contenders["ours_int8"] = (time_our_loop, int8)
     result = {
         "model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "prepacked": prepacked,
         "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "weight_bytes_per_step": weight_bytes,
@@ -181,7 +186,7 @@ def print_report(r: dict) -> None:
     print(f"memory: read {r['read_GBps']:.1f} GB/s, copy {r['copy_GBps']:.1f} GB/s "
           f"-> floor {r['floor_tokens_per_s']:.1f} tokens/s at batch 1")
     rows = {"ours": "our loop", "ours_plain": "our loop, plain weights", "hf_generate": "model.generate()",
-            "hf_generate_prepacked": "generate(), prepacked"}
+            "hf_generate_prepacked": "generate(), prepacked", "ours_int8": "our loop, QUANT=int8"}
     if r["prepacked"]:
         rows["ours"], rows["hf_generate"] = "our loop, prepacked", "model.generate(), plain"
     print(f"{'':26}{'decode tok/s':>14}{'TTFT s':>10}")

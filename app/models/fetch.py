@@ -94,6 +94,19 @@ def fetch_model(name: str, cache_dir: Path, attempts: int = 2) -> Path:
     return target
 
 
+def fetch_gguf(name: str, cache_dir: Path) -> Path:
+    """The embedded model's original GGUF file (kept next to the converted model), for peers that read GGUF."""
+    if name not in EMBEDDED:
+        raise ConfigError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}", param="model")
+    spec, cache_dir = EMBEDDED[name], Path(cache_dir).expanduser()
+    gguf = cache_dir / f"{name}.gguf"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache_dir / f"{name}.lock"):
+        if not (gguf.exists() and gguf.stat().st_size == spec.size):
+            _assemble_gguf(spec, cache_dir / f"{name}.downloads", gguf)  # verifies size and sha256
+    return gguf
+
+
 @contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     with open(lock_path, "w") as handle:
