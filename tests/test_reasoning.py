@@ -272,6 +272,20 @@ def test_tool_calls_only_after_the_thinking(tokenizer):
         assert choice["message"]["content"] == "Paris" and "get_weather" in choice["message"]["reasoning_content"]
 
 
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"],
+               "additionalProperties": False}
+
+
+def test_grammar_applies_only_after_the_thinking(thinker, overthinker):
+    """A json_schema answer: the thinking stays free text (a grammar over it would forbid "<think>" itself), the
+    answer after </think> matches the schema; also when the budget forced the </think>."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    for server, extra in ((thinker, {}), (overthinker, {"max_reasoning_tokens": 4})):
+        message = chat(server, max_tokens=60, response_format=fmt, **extra)["choices"][0]["message"]
+        assert message["reasoning_content"] == "The Paris is"
+        assert json.loads(message["content"]) == {"city": "Paris"}
+
+
 # ---- the thinking budget ----
 
 def test_budget_closes_the_thinking_and_the_answer_follows(overthinker):

@@ -147,6 +147,22 @@ def test_openai_sdk_create_and_stream(thinker):
     assert [item.type for item in final.output] == ["reasoning", "message"]
 
 
+def test_text_format_after_the_thinking_and_sdk_parse(thinker):
+    """text.format json_schema runs through chat's grammar, after </think>; the SDK parses it into a pydantic model."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: Literal["Paris"]
+
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused")
+    parsed = client.responses.parse(model="qwen3-tiny", input=QUESTION, temperature=0, max_output_tokens=60,
+                                    text_format=City)
+    assert parsed.output_parsed == City(city="Paris") and parsed.status == "completed"
+    assert parsed.output[0].type == "reasoning" and parsed.output[0].content[0].text == "The Paris is"
+
+
 def test_input_items_become_the_conversation():
     """Items map onto chat messages: instructions first, earlier answers (with their thinking) as assistant turns."""
     body = ResponsesRequest(model="m", instructions="Be brief.", input=[
