@@ -1,0 +1,179 @@
+"""Automatic prefix caching: the keys and values of earlier prompts, kept so a later prompt that starts the same way
+skips prefilling that part.
+
+    prompt ids   [ block 0 | block 1 | block 2 | ... | tail ]      fixed-size blocks of `block_size` tokens
+    block key    (parent block's id, the block's own tokens)      a hash chain: a block only matches after the
+                                                                  same blocks before it, as in vLLM
+    a hit        the longest run of cached blocks from the start, capped so at least the last prompt token is
+                 recomputed (its logits choose the first new token)
+
+Each block holds its KV for every layer in one immutable tensor `[layers, 2 (key, value), kv_heads, block, head_dim]`.
+A hit is copied into the new request's own DynamicCache (`load`), so requests never share or mutate cached tensors
+and a block can be evicted at any time. Keys are exact (Python compares the token tuples on a dict hit), so two
+different prompts never share KV because of a hash collision.
+
+Eviction is least-recently-used over blocks, bounded in bytes. A hit touches its blocks from the last to the first,
+so a parent is always more recent than its children; the least recent block is then always a leaf, and evicting it
+never strands a child. A system prompt shared by many requests is touched by each of them, so it stays while
+one-off tails go first (a FIFO would evict it first: see tests/test_prefix_cache.py).
+
+Exactness: the cached KV is bit-for-bit what the request would have computed itself, but the rest of the prompt is
+then prefilled as a chunk that attends to it rather than in one piece with it. In fp32 that gave the same greedy
+tokens in our tests (tiny model, Qwen2.5-0.5B; tests/test_prefix_cache.py); in bf16 the logits may differ by
+rounding, as with any change of chunking.
+
+Models with sliding-window layers are not cached: their DynamicCache keeps only the last window of keys, so the full
+prefix is not there to store.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from transformers import DynamicCache
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a hit loses at most block_size - 1 tokens to rounding
+
+
+class KVBudget(Protocol):
+    """Where the cache's bytes come from: the engine's KV budget. `reserve` returns False when there is no room."""
+
+    def reserve(self, n_bytes: int) -> bool: ...
+
+    def release(self, n_bytes: int) -> None: ...
+
+
+@dataclass(eq=False)
+class Block:
+    id: int
+    key: tuple  # (parent id, token ids of this block)
+    parent: Block | None
+    kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
+    children: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def supports_prefix_cache(config) -> bool:
+    """Only caches whose every layer keeps all past keys (no sliding window) can be stored and restored."""
+    return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, budget: KVBudget | None = None):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self.budget = budget
+        self.bytes = 0
+        self._blocks: dict[tuple, Block] = {}
+        self._lru: OrderedDict[int, Block] = OrderedDict()  # least recent first
+        self._ids = itertools.count(1)  # 0 is the root: the parent of every first block
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, prompt_ids: Sequence[int]) -> list[Block]:
+        """The cached blocks that start `prompt_ids`, at most `len(prompt_ids) - 1` tokens' worth; marks them used."""
+        b = self.block_size
+        blocks: list[Block] = []
+        parent_id = 0
+        for start in range(0, len(prompt_ids) - 1 - b + 1, b):  # full blocks that leave the last token out
+            block = self._blocks.get((parent_id, tuple(prompt_ids[start : start + b])))
+            if block is None:
+                break
+            blocks.append(block)
+            parent_id = block.id
+        self._touch(blocks)
+        return blocks
+
+    def load(self, blocks: list[Block], config) -> DynamicCache:
+        """A new DynamicCache holding a copy of `blocks`' keys and values (the request owns it)."""
+        kv = torch.cat([block.kv for block in blocks], dim=3)  # [layers, 2, kv_heads, n_tokens, head_dim]
+        # DynamicCache.update concatenates, so each layer gets its own contiguous copy, never a view of `kv`.
+        return DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv], config=config)
+
+    def insert(self, token_ids: Sequence[int], cache: DynamicCache) -> int:
+        """Store the full blocks of `token_ids` whose KV `cache` holds and that are not cached yet; returns how many
+        blocks were added. `cache` must hold exactly `token_ids[:cache.get_seq_length()]`."""
+        n_tokens = min(len(token_ids), cache.get_seq_length())
+        layers = cache.layers
+        if self.max_bytes <= 0 or any(layer.keys is None or layer.keys.shape[-2] != n_tokens for layer in layers):
+            return 0  # off, or a layer does not hold every past token (sliding window): nothing sound to store
+        b, added, path = self.block_size, 0, []
+        parent: Block | None = None
+        for start in range(0, n_tokens - b + 1, b):
+            key = (parent.id if parent else 0, tuple(token_ids[start : start + b]))
+            block = self._blocks.get(key)
+            if block is None:
+                kv = torch.stack([torch.stack((layer.keys[0, :, start : start + b], layer.values[0, :, start : start + b]))
+                                  for layer in layers])
+                if not self._make_room(kv.numel() * kv.element_size(), keep=path):
+                    break
+                block = Block(next(self._ids), key, parent, kv)
+                self._add(block)
+                added += 1
+            path.append(block)
+            parent = block
+        self._touch(path)
+        return added
+
+    def evict(self, n_bytes: int) -> int:
+        """Free at least `n_bytes` (or everything), least recently used first; returns the bytes freed. The engine
+        calls this when a request needs KV memory the cache is holding."""
+        freed = 0
+        while freed < n_bytes and self._lru:
+            freed += self._evict_one()
+        return freed
+
+    def clear(self) -> None:
+        self.evict(self.bytes)
+
+    # ---- bookkeeping ----
+
+    def _touch(self, path: list[Block]) -> None:
+        for block in reversed(path):  # leaf first, root last: a parent is always more recent than its children
+            self._lru.move_to_end(block.id)
+
+    def _make_room(self, n_bytes: int, keep: list[Block]) -> bool:
+        """Evict least-recent blocks until `n_bytes` more fit under max_bytes and in the budget; never a block of
+        `keep` (the path being extended). False when it cannot fit."""
+        if n_bytes > self.max_bytes:
+            return False
+        self._touch(keep)  # the path being extended must outlive anything evicted for it
+        while self.bytes + n_bytes > self.max_bytes:
+            if not self._lru or next(iter(self._lru.values())) in keep:
+                return False
+            self._evict_one()
+        while self.budget is not None and not self.budget.reserve(n_bytes):
+            if not self._lru or next(iter(self._lru.values())) in keep:
+                return False
+            self._evict_one()
+        return True
+
+    def _add(self, block: Block) -> None:
+        self._blocks[block.key] = block
+        self._lru[block.id] = block
+        self.bytes += block.nbytes
+        if block.parent is not None:
+            block.parent.children += 1
+
+    def _evict_one(self) -> int:
+        _, block = self._lru.popitem(last=False)
+        assert block.children == 0, "LRU order keeps parents more recent than their children"
+        del self._blocks[block.key]
+        if block.parent is not None:
+            block.parent.children -= 1
+        self.bytes -= block.nbytes
+        self.evictions += 1
+        if self.budget is not None:
+            self.budget.release(block.nbytes)
+        return block.nbytes
