@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
                                                 "(default: 128 on CPU, 2048 on GPU)")
+    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="KV of earlier prompts kept for reuse, in bytes "
+                                    "(0 turns automatic prefix caching off)")
+    speculative: Literal["ngram", "off"] = Field("ngram", description="n-gram speculative decoding: draft tokens "
+                                                 "from the request's own prompt and output, verify them in one pass")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "

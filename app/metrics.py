@@ -30,6 +30,14 @@ class Metrics:
         self.active_sequences = Gauge(f"{PREFIX}_active_sequences", "sequences being decoded", registry=r)
         self.cancellations = Counter(f"{PREFIX}_cancellations", "generations stopped because the client left",
                                      registry=r)
+        self.prefix_cache_queried = Counter(f"{PREFIX}_prefix_cache_queried_tokens",
+                                            "prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter(f"{PREFIX}_prefix_cache_hit_tokens",
+                                         "prompt tokens whose keys and values came from the prefix cache", registry=r)
+        self.prefix_cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes", "bytes of KV held by the prefix cache",
+                                        registry=r)
+        self.draft_tokens = Counter(f"{PREFIX}_spec_draft_tokens", "n-gram draft tokens verified", registry=r)
+        self.accepted_tokens = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.finished = Counter(f"{PREFIX}_generations_finished", "generations by finish reason (stop, length; "
                                 "error: the model failed; abort: the server gave up on it)", ["reason"], registry=r)
         self.kv_cache_budget = Gauge(f"{PREFIX}_kv_cache_budget_bytes", "KV cache bytes the engine may hold "

@@ -40,7 +40,8 @@ class ServerState:
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant)
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
-                                 s.kv_cache_bytes)
+                                 s.kv_cache_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
+                                 speculative=s.speculative)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:

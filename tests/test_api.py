@@ -47,7 +47,10 @@ def test_chat_shape_and_stream_equals_non_stream(make_tiny_server):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-2])
     assert text == choice["message"]["content"]
     assert chunks[-3]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"] == full["usage"]
+    assert chunks[-2]["choices"] == []
+    cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in (full["usage"], chunks[-2]["usage"])]
+    assert cached[0] == 0 and cached[1] > 0  # the same prompt again: its KV comes from the prefix cache
+    assert chunks[-2]["usage"] == full["usage"]
 
 
 def test_openai_sdk_sync_and_stream(make_tiny_server):

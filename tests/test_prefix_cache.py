@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import httpx
+import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, Qwen2Config
 
-from app.core.prefix_cache import PrefixCache, supports_prefix_cache
+from app.core.prefix_cache import PrefixCache, keeps_all_keys
+from app.core.sampling import SamplingParams
+from engine_runs import run_engine
 
 LAYERS, HEADS, DIM = 2, 1, 2
 BLOCK = 4
@@ -124,8 +128,8 @@ def test_sliding_window_models_are_not_cached():
     full = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     sliding = MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             sliding_window=8)
-    assert supports_prefix_cache(full)
-    assert not supports_prefix_cache(sliding)
+    assert keeps_all_keys(full)
+    assert not keeps_all_keys(sliding)
     # and a cache that dropped tokens to its window is never stored, whatever the config said
     cache = PrefixCache(max_bytes=1 << 20, block_size=BLOCK)
     kv = DynamicCache(config=sliding)
@@ -134,3 +138,68 @@ def test_sliding_window_models_are_not_cached():
         kv.update(k, k, layer)
     assert kv.get_seq_length() == 12 and kv.layers[0].keys.shape[-2] < 12
     assert cache.insert(list(range(12)), kv) == 0
+
+
+# ---- through the engine: a hit changes no token ----
+
+SYSTEM = ("You are a careful assistant. Answer in short sentences, cite the Seine and Paris when relevant, "
+          "and never use emoji.")
+
+
+def conversation_requests(lm, max_tokens: int):
+    greedy = SamplingParams(max_tokens=max_tokens, do_sample=False)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which city is on the Seine?"}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "北京是中国的首都吗？"}]
+    return [(lm.encode_chat(first), greedy), (lm.encode_chat(other), greedy),
+            (lm.encode_chat(other), SamplingParams(max_tokens=max_tokens, seed=5, temperature=0.9))]
+
+
+def check_hits_change_nothing(lm, max_tokens: int):
+    requests = conversation_requests(lm, max_tokens)
+    off, _ = run_engine(lm, requests, prefix_cache_bytes=0, speculative="off")
+    on, engine = run_engine(lm, requests, prefix_cache_bytes=64 * 2**20, speculative="off")
+    assert [s.tokens for s in on] == [s.tokens for s in off]
+    shared = next(i for i, (a, b) in enumerate(zip(requests[0][0], requests[1][0])) if a != b)
+    block = engine.prefix_cache.block_size
+    assert on[0].cached_tokens == 0
+    assert on[1].cached_tokens == shared // block * block  # the system prompt's whole blocks
+    assert on[2].cached_tokens == (len(requests[2][0]) - 1) // block * block  # all but the last token's block
+    assert engine.metrics.prefix_cache_hits._value.get() == on[1].cached_tokens + on[2].cached_tokens
+
+
+def test_tiny_greedy_tokens_are_the_same_with_prefix_hits(tiny_lm):
+    check_hits_change_nothing(tiny_lm, 16)
+
+
+@pytest.mark.real_model
+def test_qwen_greedy_tokens_are_the_same_with_prefix_hits(qwen_fp32):
+    check_hits_change_nothing(qwen_fp32, 16)
+
+
+def test_a_later_turn_reuses_the_previous_answer(tiny_lm):
+    """The previous turn's prompt + answer are cached at its end, so the next turn hits past the first prompt."""
+    first = tiny_lm.encode_chat([{"role": "user", "content": "Tell me about Paris."}])
+    params = SamplingParams(max_tokens=20, do_sample=False, ignore_eos=True)
+    (answer,), engine = run_engine(tiny_lm, [(first, params)], prefix_cache_bytes=2**20, speculative="off")
+    follow_up = first + answer.tokens + tiny_lm.encode_text("<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n")
+    blocks = engine.prefix_cache.match(follow_up)
+    assert len(blocks) * engine.prefix_cache.block_size > len(first)
+
+
+def test_cached_tokens_in_usage_and_metrics(make_tiny_server):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+            "temperature": 0, "max_tokens": 4}
+    server = make_tiny_server()
+    first, second = (httpx.post(server.url + "/v1/chat/completions", json=body).json() for _ in range(2))
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    hit = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < hit < second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert f"simple_serve_prefix_cache_hit_tokens_total {float(hit)}" in metrics
+    queried = next(float(line.split()[1]) for line in metrics.splitlines()
+                   if line.startswith("simple_serve_prefix_cache_queried_tokens_total"))
+    assert queried >= 2 * first["usage"]["prompt_tokens"]  # and the server's warm-up prompt
+    off = make_tiny_server(prefix_cache_bytes=0)
+    again = [httpx.post(off.url + "/v1/chat/completions", json=body).json() for _ in range(2)]
+    assert again[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -9,6 +9,10 @@ step), then advances every running request by one token in a single batched forw
 therefore never holds back another request's first token by more than one step, and N streams cost about one
 weight read per step instead of N. `_step` is the only place that decides what runs together.
 
+Two shortcuts, both leaving the tokens as they would be without them: a new request starts from the cached KV of
+the longest prefix of its prompt seen before (app/core/prefix_cache.py), and a running request may feed n-gram
+drafts after its newest token, so one step can emit several of its tokens (app/core/speculative.py).
+
 Backpressure: at most `max_active` sequences decode at once and at most `max_queue` wait; past that, `submit`
 raises `Overloaded` at once. A request is admitted only when its worst-case KV cache (prompt + max_tokens) fits
 the KV budget (app/core/kv_budget.py); until then it waits, so memory never grows without bound.
@@ -37,11 +41,14 @@ from app.core.faults import cache_lengths, is_out_of_memory, release_cached_memo
 from app.core.generate import Sequence, TokenEvent, check_request, choose_many, decode_step, forward_many, prefill
 from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle
 from app.core.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
+from app.core.prefix_cache import PrefixCache, keeps_all_keys
+from app.core.speculative import NgramDrafter, accept_drafts
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.core.engine")
+Work = tuple[RequestHandle, Sequence, int, list[int]]  # a request, the tokens it feeds this step, its drafts
 
 
 def default_prefill_tokens_per_step(device: torch.device) -> int:
@@ -66,7 +73,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel | Callable[[], LoadedModel], max_active: int = 8, max_queue: int = 64,
                  metrics: Metrics | None = None, prefill_tokens_per_step: int | None = None,
-                 kv_cache_bytes: int | None = None, packed_batching: bool = True):
+                 kv_cache_bytes: int | None = None, packed_batching: bool = True, prefix_cache_bytes: int = 0,
+                 speculative: str = "off"):
         self._load = model if callable(model) else (lambda: model)
         self.lm: LoadedModel | None = None
         self.loaded = threading.Event()  # set once the model is loaded, or failed to load
@@ -77,6 +85,9 @@ class Engine:
         self.kv_cache_bytes = kv_cache_bytes  # None: default_kv_cache_bytes() once the model is loaded
         self.kv_layout: KVLayout | None = None
         self.kv_budget: KVBudget | None = None
+        self.prefix_cache_bytes = prefix_cache_bytes  # 0: off
+        self.prefix_cache: PrefixCache | None = None
+        self.speculative = speculative  # "ngram" | "off"
         self._abort: ServeError | None = None
         self.max_active = max_active
         self.max_queue = max_queue
@@ -147,6 +158,7 @@ class Engine:
             self.lm = self._load()
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
             self._set_up_kv_budget()
+            self._set_up_shortcuts()
             if self.prefill_tokens_per_step is None:
                 self.prefill_tokens_per_step = default_prefill_tokens_per_step(self.lm.device)
             if self.lm.device.type == "cpu":  # sampled rows side by side (see choose_many); GPU kernels are async
@@ -180,6 +192,17 @@ class Engine:
         log.info("KV cache budget %.2f GiB: %d bytes per token, room for %d tokens (%.1f full contexts of %d)",
                  capacity / 2**30, self.kv_layout.bytes_per_token, tokens, tokens / self.lm.max_context,
                  self.lm.max_context)
+
+    def _set_up_shortcuts(self) -> None:
+        """The prefix cache takes its bytes from the KV budget, and gives them back when a request needs them."""
+        full_attention = keeps_all_keys(self.lm.model.config)
+        if self.prefix_cache_bytes > 0 and full_attention:
+            self.prefix_cache = PrefixCache(self.prefix_cache_bytes, budget=self.kv_budget)
+            self.kv_budget.add_reclaimer(self.prefix_cache.evict)
+        if self.speculative != "off" and not (self.batch_decode and full_attention):
+            log.info("speculative decoding is off: drafts are verified in the packed pass and cropped afterwards, "
+                     "which this model's attention does not allow")
+            self.speculative = "off"
 
     def _serve(self) -> None:
         while True:
@@ -254,28 +277,36 @@ class Engine:
                 except Exception as err:  # noqa: BLE001
                     self._fail([handle], err)
                     continue
+                self._reuse_prefix(handle, seq)
+                if self.speculative != "off":
+                    seq.drafter = NgramDrafter()
                 self._replace(handle, seq)
-            n = 1
+            drafts: list[int] = []
             if seq.prefilling:
                 n = min(budget, seq.prompt_len - seq.cache.get_seq_length())
                 if n <= 0:
                     continue  # this step's prefill budget is spent; its turn comes next step
                 budget -= n
-            work.append((handle, seq, n))
+            else:
+                drafts = seq.drafter.propose(seq) if seq.drafter else []
+                n = 1 + len(drafts)  # the newest token, then any drafts to verify
+            work.append((handle, seq, n, drafts))
         groups = [work] if self.batch_decode and work else [[entry] for entry in work]
         for group in groups:
-            for handle, event in self._run_pass(group):
+            for handle, seq, event in self._run_pass(group):
                 self._emit(handle, event)
+                if event.finish_reason:  # a later turn of this conversation starts with all of it
+                    self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
 
-    def _run_pass(self, group: list[tuple[RequestHandle, Sequence, int]]) -> list[tuple[RequestHandle, TokenEvent]]:
+    def _run_pass(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
         """One forward pass and the tokens it yields. If it fails, only its requests fail; after an out-of-memory
         error, its rows are first rolled back and retried in two halves, down to one row, before failing."""
-        before = [(seq.length, cache_lengths(seq.cache)) for _, seq, _ in group]
+        before = [(seq.length, cache_lengths(seq.cache)) for _, seq, *_ in group]
         try:
             return self._forward_and_choose(group)
         except Exception as err:  # noqa: BLE001 - one pass failing must not stop the engine
             if not is_out_of_memory(err) or len(group) == 1:
-                self._fail([handle for handle, _, _ in group], err)
+                self._fail([handle for handle, *_ in group], err)
                 return []
             log.warning("out of memory in a pass of %d rows; retrying them in smaller groups", len(group))
             release_cached_memory(self.lm.device)
@@ -283,30 +314,63 @@ class Engine:
             for entry, (length, lengths) in zip(group, before):
                 seq = entry[1]
                 (retry if seq.length == length and roll_back(seq.cache, lengths) else lost).append(entry)
-            self._fail([handle for handle, _, _ in lost], err)
+            self._fail([handle for handle, *_ in lost], err)
             half = (len(retry) + 1) // 2
             return self._run_pass(retry[:half]) + self._run_pass(retry[half:]) if retry else []
 
-    def _forward_and_choose(self, group: list[tuple[RequestHandle, Sequence, int]]
-                            ) -> list[tuple[RequestHandle, TokenEvent]]:
-        logits = self._forward(group)  # [len(group), vocab]
-        # Rows whose prefill chunk was not the prompt's last have no token yet.
-        rows = [row for row, (_, seq, _) in enumerate(group) if not seq.prefilling]
-        if not rows:
-            return []
-        ready = [group[row][:2] for row in rows]  # (handle, seq)
-        prompts_done = sum(seq.prompt_len for _, seq in ready if seq.n_generated == 0)
-        chosen = choose_many([seq for _, seq in ready], logits if len(rows) == len(group) else logits[rows],
-                             self._sampling_pool)
-        self.metrics.prompt_tokens.inc(prompts_done)
-        return [(handle, event) for (handle, _), event in zip(ready, chosen)]
+    def _forward_and_choose(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
+        """One forward pass and the step's tokens. Its logits have one row per request, or 1 + k for a request
+        verifying k drafts; single rows are chosen together, drafts are checked request by request."""
+        logits = self._forward(group)
+        singles, single_rows, events, row, prompts_done = [], [], [], 0, 0
+        for handle, seq, n, drafts in group:
+            rows, row = slice(row, row + 1 + len(drafts)), row + 1 + len(drafts)
+            if seq.prefilling:
+                continue  # a prefill chunk that was not the prompt's last: no token yet
+            if seq.n_generated == 0:
+                prompts_done += seq.prompt_len
+                self._remember(handle.prompt_ids, seq)
+            if drafts:
+                verified, accepted = accept_drafts(seq, logits[rows], drafts)
+                self.metrics.draft_tokens.inc(len(drafts))
+                self.metrics.accepted_tokens.inc(accepted)
+                events += [(handle, seq, event) for event in verified]
+            else:
+                singles.append((handle, seq))
+                single_rows.append(rows.start)
+        if not singles:
+            return events
+        if len(single_rows) < logits.shape[0]:
+            logits = logits[single_rows]  # only the rows still to choose: choose_many takes [B, vocab]
+        chosen = choose_many([seq for _, seq in singles], logits, self._sampling_pool)
+        self.metrics.prompt_tokens.inc(prompts_done)  # once chosen: a pass retried after an OOM counts once
+        return events + [(handle, seq, event) for (handle, seq), event in zip(singles, chosen)]
 
-    def _forward(self, group: list[tuple[RequestHandle, Sequence, int]]) -> torch.Tensor | None:
-        """Logits [len(group), vocab] at each row's last fed position (None: one request's non-last chunk)."""
+    def _forward(self, group: list[Work]) -> torch.Tensor | None:
+        """Logits at each row's last fed position, or its last 1 + k to verify k drafts (None: one request's
+        non-last chunk)."""
         if self.batch_decode:
-            return forward_many(self.lm.model, [(seq, n) for _, seq, n in group])
-        (_, seq, n), = group  # models without packed attention: one request per pass
+            return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
+                                [1 + len(drafts) for *_, drafts in group])
+        (_, seq, n, _), = group  # models without packed attention: one request per pass
         return decode_step(self.lm.model, seq) if not seq.prefilling else prefill(self.lm.model, seq, n)
+
+    def _reuse_prefix(self, handle: RequestHandle, seq: Sequence) -> None:
+        """Start a new request from the cached KV of the longest cached prefix of its prompt, if any."""
+        if self.prefix_cache is None:
+            return
+        self.metrics.prefix_cache_queried.inc(seq.prompt_len)
+        blocks = self.prefix_cache.match(handle.prompt_ids)
+        if blocks:
+            seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
+            handle.cached_tokens = seq.cache.get_seq_length()
+            self.metrics.prefix_cache_hits.inc(handle.cached_tokens)
+
+    def _remember(self, token_ids: list[int], seq: Sequence) -> None:
+        """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(token_ids, seq.cache)
+            self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
 
     def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
         self._record(handle, event)

@@ -82,6 +82,7 @@ class Sequence:
         self.preamble = PreambleState(params.preamble) if params.preamble is not None else None
         # structured output: a grammar masks the answer's tokens (after any thinking); EOS is the grammar's to allow
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
+        self.drafter = None  # an app.core.speculative.NgramDrafter when the engine speculates for this request
 
     @property
     def n_generated(self) -> int:
@@ -220,11 +221,13 @@ def decode_step(model, seq: Sequence) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward_many(model, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-    """One forward pass for several sequences: each feeds its next `n` tokens (a prefill chunk, or 1 to decode).
+def forward_many(model, work: list[tuple[Sequence, int]], n_out: Seq[int] | None = None) -> torch.Tensor:
+    """One forward pass for several sequences: each feeds its next `n` tokens (a prefill chunk, 1 to decode, or
+    the last token and k drafts to verify them: app/core/speculative.py).
 
-    Returns float32 logits [len(work), vocab] at each sequence's last fed position; the tokens travel packed in
-    one row and each sequence's keys and values land in its own cache (app/batching.py explains how).
+    Returns float32 logits at each sequence's last `n_out[i]` fed positions (default 1), stacked in order:
+    [sum(n_out), vocab]. The tokens travel packed in one row and each sequence's keys and values land in its own
+    cache (app/core/batching.py explains how).
     """
     items = []
     for seq, n in work:
@@ -235,8 +238,10 @@ def forward_many(model, work: list[tuple[Sequence, int]]) -> torch.Tensor:
     cache = PackedCaches([seq.cache for seq, _ in work], packed["spans"], device, attention_windows(model))
     hidden = model.model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], cache=cache,
                          use_cache=True, attention_mask=packed["attention_mask"]).last_hidden_state  # [1, T, H]
-    last = torch.tensor([end - 1 for _, end in packed["spans"]], device=device)
-    return model.lm_head(hidden[0, last]).float()  # lm_head on each sequence's last position only
+    n_out = n_out or [1] * len(work)
+    last = torch.tensor([end - n + j for (_, end), n in zip(packed["spans"], n_out) for j in range(n)],
+                        device=device)
+    return model.lm_head(hidden[0, last]).float()  # lm_head only where a token is to be chosen
 
 
 def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],

@@ -45,6 +45,7 @@ class RequestHandle:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     kv_bytes: int = 0  # worst-case KV cache, reserved from the budget while admitted
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     client_left: bool = True
 
     def cancel(self, client_left: bool = True) -> None:

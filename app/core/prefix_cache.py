@@ -60,8 +60,9 @@ class Block:
         return self.kv.numel() * self.kv.element_size()
 
 
-def supports_prefix_cache(config) -> bool:
-    """Only caches whose every layer keeps all past keys (no sliding window) can be stored and restored."""
+def keeps_all_keys(config) -> bool:
+    """Whether every layer of this model's DynamicCache keeps all past keys (no sliding window). Only then can a
+    prefix be stored and restored, and drafts be cropped after any number of tokens (app/core/speculative.py)."""
     return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
 
 

@@ -187,7 +187,7 @@ class CompletionServing:
             out_choices.append(item)
         return {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
                 "system_fingerprint": self.fingerprint, "choices": out_choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, choices)}
 
     # ---- streaming ----
 
@@ -231,7 +231,7 @@ class CompletionServing:
                 yield chunk([payload])
             finished = True
             if include_usage:
-                yield chunk([], usage=usage(prompt_tokens, sum(c.tokens for c in choices)))
+                yield chunk([], usage=usage(prompt_tokens, sum(c.tokens for c in choices), choices))
         except ServeError as err:  # after the 200: tell the client in-band, then end the stream properly
             failed = True
             log.warning("stream %s failed: %s", response_id, err.message)
@@ -300,9 +300,11 @@ def record_timing(request: Request, choices: list[Choice]) -> None:
         request.state.ttft_s = first.first_token_at - first.submitted_at
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice]) -> dict[str, Any]:
+    # The prompt is counted once for all choices (as OpenAI does), so are its tokens read from the prefix cache.
+    cached = max(c.handle.cached_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
