@@ -57,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
     # the benchmarks are optional leaves of the CLI
     from app.bench import (compare as bench_compare, generate as bench_generate, quality as bench_quality,
-                           serve as bench_serve)
+                           serve as bench_serve, shortcuts as bench_shortcuts)
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
     bench_compare.add_arguments(bench_kinds.add_parser("compare", help="ours vs transformers serve, same load"))
     bench_quality.add_arguments(bench_kinds.add_parser("quality", help="perplexity and greedy agreement of bf16/int8"))
+    bench_shortcuts.add_arguments(bench_kinds.add_parser("shortcuts", help="prefix cache and n-gram speculation, "
+                                                         "on against off"))
 
     args = parser.parse_args(argv)
     try:
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_compare.run(args)
         elif args.bench_command == "quality":
             bench_quality.run(args)
+        elif args.bench_command == "shortcuts":
+            bench_shortcuts.run(args)
         else:
             bench_serve.run(args)
         return 0

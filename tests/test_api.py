@@ -153,7 +153,7 @@ def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
     import app.core.engine as engine_module
 
     real = engine_module.forward_many
-    monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.02), real(m, w))[1])
+    monkeypatch.setattr(engine_module, "forward_many", lambda *args: (time.sleep(0.02), real(*args))[1])
     server = make_tiny_server(max_active=1, max_queue=0)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as first:
         lines = first.iter_lines()
@@ -173,11 +173,11 @@ def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkey
     calls = {"n": 0}
     real = engine_module.forward_many
 
-    def flaky(model, work):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device failure")
-        return real(model, work)
+        return real(*args)
 
     monkeypatch.setattr(engine_module, "forward_many", flaky)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True)) as r:

@@ -88,33 +88,43 @@ def test_only_leaves_are_evicted():
     assert hit_tokens(cache, b + [0]) == 4
 
 
-class FakeBudget:
-    def __init__(self, free: int):
-        self.free = free
+def kv_budget(capacity: int):
+    """The engine's KV budget (app/core/kv_budget.py) when it is there; else the same two calls over a dict."""
+    try:
+        from app.core.kv_budget import KVBudget
+    except ImportError:
+        class KVBudget:
+            def __init__(self, capacity):
+                self.capacity, self.held = capacity, {}
 
-    def reserve(self, n_bytes: int) -> bool:
-        if n_bytes > self.free:
-            return False
-        self.free -= n_bytes
-        return True
+            @property
+            def in_use(self):
+                return sum(self.held.values())
 
-    def release(self, n_bytes: int) -> None:
-        self.free += n_bytes
+            def reserve(self, owner, nbytes):
+                if self.in_use + nbytes > self.capacity:
+                    return False
+                self.held[owner] = self.held.get(owner, 0) + nbytes
+                return True
+
+            def release(self, owner):
+                return self.held.pop(owner, 0)
+    return KVBudget(capacity)
 
 
 def test_bytes_come_out_of_the_kv_budget_and_go_back():
-    budget = FakeBudget(free=3 * BLOCK_BYTES)
+    budget = kv_budget(3 * BLOCK_BYTES)
     cache = PrefixCache(max_bytes=100 * BLOCK_BYTES, block_size=BLOCK, budget=budget)
     ids = list(range(16))
     assert cache.insert(ids, cache_for(ids)) == 3  # the budget, not max_bytes, stops the fourth block
-    assert budget.free == 0 and cache.bytes == 3 * BLOCK_BYTES
+    assert budget.in_use == 3 * BLOCK_BYTES == cache.bytes
     other = list(range(50, 54))
     assert cache.insert(other, cache_for(other)) == 1  # makes room by evicting its own least recent block
-    assert budget.free == 0
+    assert budget.in_use == 3 * BLOCK_BYTES
     assert cache.evict(BLOCK_BYTES) == BLOCK_BYTES  # the engine takes memory back for a request
-    assert budget.free == BLOCK_BYTES
+    assert budget.in_use == 2 * BLOCK_BYTES
     cache.clear()
-    assert budget.free == 3 * BLOCK_BYTES and cache.bytes == 0 and len(cache) == 0
+    assert budget.in_use == 0 and cache.bytes == 0 and len(cache) == 0
 
 
 def test_zero_bytes_turns_it_off():

@@ -28,10 +28,9 @@ prefix is not there to store.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Hashable, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -40,11 +39,12 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a hit loses at most block_size - 1 to
 
 
 class KVBudget(Protocol):
-    """Where the cache's bytes come from: the engine's KV budget. `reserve` returns False when there is no room."""
+    """Where the cache's bytes come from: the engine's KV budget (app/core/kv_budget.py). Each block is its own
+    owner there, so evicting one block gives back exactly its bytes."""
 
-    def reserve(self, n_bytes: int) -> bool: ...
+    def reserve(self, owner: Hashable, nbytes: int) -> bool: ...
 
-    def release(self, n_bytes: int) -> None: ...
+    def release(self, owner: Hashable) -> int: ...
 
 
 @dataclass(eq=False)
@@ -76,8 +76,9 @@ class PrefixCache:
         self.bytes = 0
         self._blocks: dict[tuple, Block] = {}
         self._lru: OrderedDict[int, Block] = OrderedDict()  # least recent first
-        self._ids = itertools.count(1)  # 0 is the root: the parent of every first block
+        self._next_id = 1  # 0 is the root: the parent of every first block
         self.evictions = 0
+        self._inserting = False  # while set, `evict` (the budget's reclaimer) leaves blocks alone: see _make_room
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -119,7 +120,8 @@ class PrefixCache:
                                   for layer in layers])
                 if not self._make_room(kv.numel() * kv.element_size(), keep=path):
                     break
-                block = Block(next(self._ids), key, parent, kv)
+                block = Block(self._next_id, key, parent, kv)
+                self._next_id += 1
                 self._add(block)
                 added += 1
             path.append(block)
@@ -128,10 +130,10 @@ class PrefixCache:
         return added
 
     def evict(self, n_bytes: int) -> int:
-        """Free at least `n_bytes` (or everything), least recently used first; returns the bytes freed. The engine
-        calls this when a request needs KV memory the cache is holding."""
+        """Free at least `n_bytes` (or everything), least recently used first; returns the bytes freed. The KV
+        budget calls this (as a reclaimer) when a request needs memory the cache is holding."""
         freed = 0
-        while freed < n_bytes and self._lru:
+        while freed < n_bytes and self._lru and not self._inserting:
             freed += self._evict_one()
         return freed
 
@@ -154,11 +156,20 @@ class PrefixCache:
             if not self._lru or next(iter(self._lru.values())) in keep:
                 return False
             self._evict_one()
-        while self.budget is not None and not self.budget.reserve(n_bytes):
+        while self.budget is not None and not self._reserve(n_bytes):
             if not self._lru or next(iter(self._lru.values())) in keep:
                 return False
             self._evict_one()
         return True
+
+    def _reserve(self, n_bytes: int) -> bool:
+        # The budget may call our own `evict` to make room; it must not pick blocks of the path being extended,
+        # so that is done here instead, with `keep` in view.
+        self._inserting = True
+        try:
+            return self.budget.reserve(("prefix-cache", self._next_id), n_bytes)
+        finally:
+            self._inserting = False
 
     def _add(self, block: Block) -> None:
         self._blocks[block.key] = block
@@ -176,5 +187,5 @@ class PrefixCache:
         self.bytes -= block.nbytes
         self.evictions += 1
         if self.budget is not None:
-            self.budget.release(block.nbytes)
+            self.budget.release(("prefix-cache", block.id))
         return block.nbytes
