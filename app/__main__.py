@@ -18,11 +18,12 @@ def main(argv: list[str] | None = None) -> int:
                  "--model-cache", "--quant"):
         serve.add_argument(flag)
     for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes",
-                 "--prefill-tokens-per-step", "--prefix-cache-bytes"):
+                 "--prefill-tokens-per-step"):
         serve.add_argument(flag, type=int)
     serve.add_argument("--kv-cache-bytes", help="KV cache budget, e.g. 8GiB (default: from free memory)")
     serve.add_argument("--shutdown-grace-s", type=float)
     serve.add_argument("--cors-origins", help="comma-separated origins")
+    serve.add_argument("--prefix-cache-bytes", help="prefix cache size, e.g. 1GiB; 0 turns it off (default 512MiB)")
     serve.add_argument("--speculative", help="ngram (default) | off: n-gram speculative decoding")
     serve.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
                        help="CPU + bf16: reorder linear weights once for oneDNN (default: on)")

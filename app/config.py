@@ -33,8 +33,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
                                                 "(default: 128 on CPU, 2048 on GPU)")
-    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="KV of earlier prompts kept for reuse, in bytes "
-                                    "(0 turns automatic prefix caching off)")
+    prefix_cache_bytes: int = Field(512 * 2**20, ge=0, description="KV of earlier prompts kept for reuse, in bytes; "
+                                    "suffixes as KV_CACHE_BYTES (0 turns automatic prefix caching off)")
     speculative: Literal["ngram", "off"] = Field("ngram", description="n-gram speculative decoding: draft tokens "
                                                  "from the request's own prompt and output, verify them in one pass")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
 
-    @field_validator("kv_cache_bytes", mode="before")
+    @field_validator("kv_cache_bytes", "prefix_cache_bytes", mode="before")
     @classmethod
     def _parse_bytes(cls, value: object) -> object:
         # KV_CACHE_BYTES=8GiB reads better than 8589934592.

@@ -34,7 +34,7 @@ class Metrics:
                                             "prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_cache_hits = Counter(f"{PREFIX}_prefix_cache_hit_tokens",
                                          "prompt tokens whose keys and values came from the prefix cache", registry=r)
-        self.prefix_cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes", "bytes of KV held by the prefix cache",
+        self.prefix_cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes", "bytes of KV held by the prefix cache (part of the reserved bytes)",
                                         registry=r)
         self.draft_tokens = Counter(f"{PREFIX}_spec_draft_tokens", "n-gram draft tokens verified", registry=r)
         self.accepted_tokens = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted", registry=r)
@@ -43,7 +43,7 @@ class Metrics:
         self.kv_cache_budget = Gauge(f"{PREFIX}_kv_cache_budget_bytes", "KV cache bytes the engine may hold "
                                      "(KV_CACHE_BYTES)", registry=r)
         self.kv_cache_reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV cache bytes reserved by admitted "
-                                       "requests (each its prompt + max_tokens worst case); admission keeps this "
-                                       "within the budget", registry=r)
+                                       "requests (each its prompt + max_tokens worst case) and the prefix cache; "
+                                       "admission keeps this within the budget", registry=r)
         self.kv_cache_in_use = Gauge(f"{PREFIX}_kv_cache_used_bytes", "KV cache bytes the running requests hold now",
                                      registry=r)

@@ -167,10 +167,10 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
     real_forward, rows_now, ooms = engine_module.forward_many, {"n": 0}, []
     poisoned = tiny_lm.encode_text("this one never fits")
 
-    def forward(model, work):
+    def forward(model, work, *n_out):
         rows_now["n"] = len(work)
         rows_now["poisoned"] = any(seq.token_ids[0, : seq.prompt_len].tolist() == poisoned for seq, _ in work)
-        return real_forward(model, work)
+        return real_forward(model, work, *n_out)
 
     def mlp_hook(module, args):
         if rows_now["n"] > 2 or rows_now["poisoned"]:

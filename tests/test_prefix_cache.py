@@ -213,3 +213,19 @@ def test_cached_tokens_in_usage_and_metrics(make_tiny_server):
     off = make_tiny_server(prefix_cache_bytes=0)
     again = [httpx.post(off.url + "/v1/chat/completions", json=body).json() for _ in range(2)]
     assert again[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_requests_take_memory_back_from_the_prefix_cache(tiny_lm):
+    """The cache's bytes come out of the KV budget; a request that needs them gets them (the cache evicts), and
+    the budget never holds more than its capacity."""
+    per_token = 512  # tiny model: 2 layers x 2 KV heads x 16 dims x (key, value) x 4 bytes
+    first = tiny_lm.encode_text("The capital of France is Paris. Paris is a city on the Seine. " * 2)
+    second = tiny_lm.encode_text("北京是中国的首都。上海是一个大城市。")
+    params = SamplingParams(max_tokens=8, do_sample=False, ignore_eos=True)
+    capacity = per_token * (len(first) + 8) + per_token * 16  # one request, and a block to spare
+    seen, engine = run_engine(tiny_lm, [(first, params), (second, params), (first, params)],
+                              kv_cache_bytes=capacity, prefix_cache_bytes=1 << 20)
+    assert engine.kv_layout.bytes_per_token == per_token
+    assert [s.finish_reason for s in seen] == ["length"] * 3  # nobody waited forever for the cache's bytes
+    assert engine.prefix_cache.evictions > 0
+    assert engine.kv_budget.in_use == engine.prefix_cache.bytes <= capacity

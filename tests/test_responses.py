@@ -253,11 +253,11 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
     calls = {"n": 0}
     real = engine_module.forward_many
 
-    def flaky(model, work):
+    def flaky(model, work, *n_out):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device failure")
-        return real(model, work)
+        return real(model, work, *n_out)
 
     monkeypatch.setattr(engine_module, "forward_many", flaky)
     stream = events(tiny, input="hi", max_output_tokens=10, ignore_eos=True)

@@ -199,6 +199,7 @@ class Engine:
         if self.prefix_cache_bytes > 0 and full_attention:
             self.prefix_cache = PrefixCache(self.prefix_cache_bytes, budget=self.kv_budget)
             self.kv_budget.add_reclaimer(self.prefix_cache.evict)
+            self.metrics.prefix_cache_bytes.set_function(lambda: self.prefix_cache.bytes)
         if self.speculative != "off" and not (self.batch_decode and full_attention):
             log.info("speculative decoding is off: drafts are verified in the packed pass and cropped afterwards, "
                      "which this model's attention does not allow")
@@ -370,7 +371,7 @@ class Engine:
         """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied)."""
         if self.prefix_cache is not None:
             self.prefix_cache.insert(token_ids, seq.cache)
-            self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
+            self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
 
     def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
         self._record(handle, event)
