@@ -162,3 +162,18 @@ def test_qwen_greedy_tokens_are_the_same_with_speculation(qwen_fp32):
     on, engine = run_engine(qwen_fp32, requests, speculative="ngram", prefix_cache_bytes=0)
     assert on == off
     assert engine.metrics.accepted_tokens._value.get() > 0
+
+
+def test_sliding_window_models_run_without_either_shortcut(tiny_lm):
+    """A window that has moved on cannot be cropped back, nor a whole prefix stored: both shortcuts stay off, and
+    the answer is the model's own."""
+    from transformers import MistralConfig
+
+    from test_batching import hf_greedy, tiny_variant
+
+    lm = tiny_variant(tiny_lm, MistralConfig, sliding_window=8)
+    ids = lm.encode_text(CODE)
+    seen, engine = run_engine(lm, [(ids, SamplingParams(max_tokens=12, do_sample=False, ignore_eos=True))],
+                              speculative="ngram", prefix_cache_bytes=2**20)
+    assert engine.speculative == "off" and engine.prefix_cache is None
+    assert seen[0].tokens == hf_greedy(lm, ids, 12)
