@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--cors-origins", help="comma-separated origins")
     serve.add_argument("--prefix-cache-bytes", help="prefix cache size, e.g. 1GiB; 0 turns it off (default 512MiB)")
     serve.add_argument("--speculative", help="ngram (default) | off: n-gram speculative decoding")
-    serve.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
-                       help="CPU + bf16: reorder linear weights once for oneDNN (default: on)")
+    add_prepack_flags(serve)
 
     gen = commands.add_parser("generate", help="stream one answer to the terminal")
     gen.add_argument("prompt")
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device")
     gen.add_argument("--dtype")
-    gen.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None)
+    add_prepack_flags(gen)
     gen.add_argument("--quant", help="none | int8")
     gen.add_argument("--show-logits", nargs="?", const=5, type=int, metavar="K",
                      help="print each step's top K candidates with their probability at every stage: raw, "
@@ -102,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # pydantic's ValidationError names the setting
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def add_prepack_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prepack", nargs="?", const="true", choices=("auto", "true", "false"),
+                        help="CPU + bf16: reorder linear weights once for oneDNN (default: auto, where the CPU can "
+                             "run it; a bare --prepack means true: fail at start where it cannot)")
+    parser.add_argument("--no-prepack", dest="prepack", action="store_const", const="false")
 
 
 def settings_from(args: argparse.Namespace, keys: tuple[str, ...] | None = None) -> Settings:

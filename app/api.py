@@ -86,7 +86,7 @@ async def ready(state: State) -> JSONResponse:
     if error := state.engine_error:
         return JSONResponse({"status": "dead", "error": error}, status_code=503)
     if state.ready and not state.draining:
-        return JSONResponse({"status": "ready", "model": state.settings.model_id})
+        return JSONResponse({"status": "ready", "model": state.settings.model_id, **state.model_info})
     status = "draining" if state.draining else ("failed" if state.load_error else "loading")
     return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 
@@ -115,7 +115,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 async def list_models(state: State) -> dict:
     lm = state.lm
     model = {"id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
-             "max_model_len": lm.max_context if lm else state.settings.max_model_len}
+             "max_model_len": lm.max_context if lm else state.settings.max_model_len, **state.model_info}
     if lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
     return {"object": "list", "data": [model]}

@@ -30,7 +30,8 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt_ids = lm.encode_chat(messages + [{"role": "user", "content": args.prompt}])
-    print(f"# {lm.name} on {lm.device} ({lm.dtype}), prompt {len(prompt_ids)} tokens", file=sys.stderr)
+    print(f"# {lm.name} on {lm.device}, prompt {len(prompt_ids)} tokens", file=sys.stderr)
+    print(f"# dtype {str(lm.dtype).removeprefix('torch.')}: {lm.dtype_reason}; prepack {lm.prepack}", file=sys.stderr)
     print(f"# sampling: {json.dumps(params.effective())}", file=sys.stderr)
     for step, event in enumerate(generate(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)):
         if show:

@@ -14,6 +14,17 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+PrepackMode = Literal["auto", "true", "false"]
+
+
+def prepack_mode(value: object) -> object:
+    """PREPACK=auto|true|false; also the booleans of `--prepack/--no-prepack` and env spellings such as 1/0/on/off."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(word, word)
+    return value
 
 
 class Settings(BaseSettings):
@@ -25,7 +36,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    prepack: bool = Field(True, description="CPU + bf16: reorder linear weights once for oneDNN (bit-identical, faster)")
+    prepack: PrepackMode = Field("auto", description="CPU + bf16: reorder linear weights once for oneDNN (bit-identical, "
+                                 "faster); auto: where the CPU can run it, true: fail at start where it cannot")
     quant: Literal["none", "int8"] = Field("none", description="int8: every linear reads int8 weights (faster, "
                                            "not exact; quality measured by `bench quality`)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
@@ -67,6 +79,11 @@ class Settings(BaseSettings):
                     "KMGT".index(unit[0].upper()) + 1)
                 return int(float(number) * scale)
         return value
+
+    @field_validator("prepack", mode="before")
+    @classmethod
+    def _prepack_mode(cls, value: object) -> object:
+        return prepack_mode(value)
 
     @field_validator("log_level", mode="before")
     @classmethod

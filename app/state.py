@@ -54,8 +54,16 @@ class ServerState:
             log.error("model failed to load: %s", self.load_error)
             return
         self.ready = True
-        log.info("ready: %s on %s (%s), context %d tokens", s.model_id, self.lm.device, self.lm.dtype,
-                 self.lm.max_context)
+        log.info("ready: %s on %s, context %d tokens; dtype %s (%s); prepack %s", s.model_id, self.lm.device,
+                 self.lm.max_context, self.model_info["dtype"], self.lm.dtype_reason, self.lm.prepack)
+
+    @property
+    def model_info(self) -> dict[str, str]:
+        """How the model was loaded and why, for /ready and /v1/models; empty until it is loaded."""
+        if self.lm is None:
+            return {}
+        return {"dtype": str(self.lm.dtype).removeprefix("torch."), "dtype_reason": self.lm.dtype_reason,
+                "prepack": self.lm.prepack}
 
     async def _warm_up(self) -> None:
         """One short greedy generation, so the first real request does not pay for lazy initialisation."""

@@ -71,6 +71,15 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny model and tokenizer saved as a Hugging Face directory, for tests that go through load_model."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    build_tiny_model(len(tiny_tokenizer)).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_tokenizer) -> LoadedModel:
     model = build_tiny_model(len(tiny_tokenizer))
     im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")

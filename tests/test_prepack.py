@@ -1,5 +1,8 @@
 """Prepacked bf16 linears on CPU (app/prepack.py): faster, and the same tokens, bit for bit, as transformers'
-own model. Also the bench that reports it, run end to end on a tiny model saved to disk."""
+own model. Also the bench that reports it, run end to end on a tiny model saved to disk.
+
+Tests that pack need a CPU that can run oneDNN's bf16 reorder (`needs_prepack`); the fallbacks (a reorder that
+raises, a CPU that cannot, PREPACK=false) run on every machine. `make test` runs this file again with AVX2 forced."""
 
 from __future__ import annotations
 
@@ -15,13 +18,15 @@ from app.bench import generate as bench_generate
 from app.config import Settings
 from app.core.generate import generate
 from app.models.loading import load_model
-from app.models.prepack import PackedLinear, decode_bytes_per_step, prepack_linears, prepack_supported
+from app.errors import ConfigError
+from app.models.prepack import PackedLinear, PrepackFailed, decode_bytes_per_step, prepack_linears, prepack_supported
 from app.core.sampling import SamplingParams
 
 from conftest import MODEL_CACHE, build_tiny_model
 
-pytestmark = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16),
-                                reason="this CPU/torch build has no oneDNN bf16 prepacking")
+CAN_PREPACK = prepack_supported(torch.device("cpu"), torch.bfloat16)
+needs_prepack = pytest.mark.skipif(not CAN_PREPACK, reason="this CPU cannot run oneDNN's bf16 reorder (or AVX2 is "
+                                   "forced); the plain-layer tests below run instead")
 PROMPTS = ["Which city is the capital of France?", "北京是中国的首都。请介绍一下北京。", "def reverse(s):"]
 
 
@@ -43,6 +48,7 @@ def tiny_pair(tiny_tokenizer):
     return plain, packed
 
 
+@needs_prepack
 def test_every_linear_is_packed_and_logits_are_bit_identical(tiny_pair, tiny_tokenizer):
     plain, packed = tiny_pair
     assert linears(plain) == (15, 0) and linears(packed) == (0, 15)
@@ -52,6 +58,7 @@ def test_every_linear_is_packed_and_logits_are_bit_identical(tiny_pair, tiny_tok
             assert torch.equal(plain(ids).logits, packed(ids).logits)
 
 
+@needs_prepack
 def test_greedy_tokens_identical_to_the_plain_model(tiny_pair, tiny_tokenizer):
     plain, packed = tiny_pair
     eos = (tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"),)
@@ -60,6 +67,7 @@ def test_greedy_tokens_identical_to_the_plain_model(tiny_pair, tiny_tokenizer):
         assert greedy(packed, tiny_tokenizer, ids, eos) == greedy(plain, tiny_tokenizer, ids, eos)
 
 
+@needs_prepack
 def test_a_layer_that_would_change_results_stays_plain(tiny_tokenizer, monkeypatch, caplog):
     model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
     forward = PackedLinear.forward
@@ -84,22 +92,100 @@ def test_bytes_per_decode_step_skip_the_embedding_table_and_count_a_tied_head_on
     assert decode_bytes_per_step(model) == expected  # the same bytes, now in oneDNN's layout
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model(len(tiny_tokenizer)).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+def test_load_model_prepacks_where_it_runs_unless_turned_off(tiny_dir):
+    auto = load_model(str(tiny_dir), "cpu", "bfloat16")
+    if CAN_PREPACK:
+        assert linears(auto.model) == (0, 15) and auto.prepack == "on: 15 linear layers"
+    else:  # an AVX2-only CPU (or AVX2 forced): plain layers, and the reason, instead of a crash
+        assert linears(auto.model) == (15, 0) and "oneDNN's bf16 reorder needs" in auto.prepack
+    off = load_model(str(tiny_dir), "cpu", "bfloat16", prepack="false")
+    assert linears(off.model) == (15, 0) and off.prepack == "off: PREPACK=false"
+    fp32 = load_model(str(tiny_dir), "cpu", "float32")  # fp32 would not be bit-identical: never packed
+    assert linears(fp32.model) == (15, 0) and fp32.prepack.startswith("off: prepacking applies to bfloat16")
 
 
-def test_load_model_prepacks_bf16_on_cpu_unless_turned_off(tiny_dir, monkeypatch):
-    assert linears(load_model(str(tiny_dir), "cpu", "bfloat16").model) == (0, 15)
-    assert linears(load_model(str(tiny_dir), "cpu", "bfloat16", prepack=False).model) == (15, 0)
-    assert linears(load_model(str(tiny_dir), "cpu", "float32").model) == (15, 0)  # fp32 would not be bit-identical
-    monkeypatch.setenv("PREPACK", "false")
-    assert Settings().prepack is False
+@pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), ("true", "true"), ("1", "true"), ("on", "true"),
+                                             ("false", "false"), ("0", "false"), ("No", "false")])
+def test_prepack_setting_is_auto_true_or_false(monkeypatch, value, mode):
+    monkeypatch.setenv("PREPACK", value)
+    assert Settings().prepack == mode
+    assert Settings(prepack=mode == "true").prepack == ("true" if mode == "true" else "false")  # --[no-]prepack
 
 
+def test_prepack_setting_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("PREPACK", "sometimes")
+    with pytest.raises(ValueError, match="prepack"):
+        Settings()
+
+
+def test_a_reorder_that_raises_leaves_plain_layers_and_one_log_line(tiny_tokenizer, monkeypatch, caplog):
+    """What an AVX2-only CPU did before: oneDNN's reorder raised and the server died while loading."""
+    def refuse(self, linear):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                           "avx512bw, avx512vl and avx512dq")
+
+    model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
+    monkeypatch.setattr(PackedLinear, "__init__", refuse)
+    with caplog.at_level(logging.WARNING, logger="app.models.prepack"):
+        assert prepack_linears(model) == 0
+    assert linears(model) == (15, 0)
+    assert len(caplog.records) == 1 and "could not reorder" in caplog.text
+    with pytest.raises(PrepackFailed, match="avx512bw"):
+        prepack_linears(model, strict=True)
+    ids = torch.tensor([tiny_tokenizer.encode("def reverse(s):")])
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids).logits).all()  # and it still runs
+
+
+def test_the_real_reorder_never_crashes_on_this_cpu(tiny_tokenizer):
+    """Runs oneDNN's own reorder, whatever this CPU is: packed where it runs, plain where it raises."""
+    model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
+    packed = prepack_linears(model)
+    assert linears(model) == ((0, 15) if packed else (15, 0))
+
+
+def test_prepack_true_fails_at_start_where_it_cannot_run(tiny_dir):
+    if CAN_PREPACK:
+        assert load_model(str(tiny_dir), "cpu", "bfloat16", prepack="true").prepack == "on: 15 linear layers"
+    else:
+        with pytest.raises(ConfigError, match="PREPACK=true, but cpu .* lacks what oneDNN's bf16 reorder needs") as err:
+            load_model(str(tiny_dir), "cpu", "bfloat16", prepack="true")
+        assert err.value.param == "prepack"
+    with pytest.raises(ConfigError, match="PREPACK=true, but prepacking applies to bfloat16 weights; these are "
+                                          "float32 \\(dtype: dtype=float32 was asked for\\)") as err:
+        load_model(str(tiny_dir), "cpu", "float32", prepack="true")
+    assert err.value.param == "prepack"
+
+
+@needs_prepack
+def test_a_tied_lm_head_is_not_stored_twice(tiny_tokenizer):
+    """SmolLM2 ties lm_head to the input embedding. A packed copy would hold those weights a second time (56 MB of
+    its 270 MB in bf16), since the embedding still needs the plain layout: the tied layer stays plain."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    before = weight_bytes_held(model)
+    ids = torch.tensor([tiny_tokenizer.encode("The capital of France is")])
+    with torch.inference_mode():
+        plain_logits = model(ids).logits
+    assert prepack_linears(model) == 2 * 7  # every layer's linears; not lm_head
+    assert type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert weight_bytes_held(model) == before
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, plain_logits)
+
+
+def weight_bytes_held(model) -> int:
+    """Every distinct weight storage, plain or packed, counted once."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    packed = [m.weight_bytes for m in model.modules() if isinstance(m, PackedLinear)]
+    return sum(storages.values()) + sum(packed)
+
+
+@needs_prepack
 def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tmp_path, capsys):
     args = argparse.Namespace(model=str(tiny_dir), device="cpu", dtype="bfloat16", prepack=None, max_tokens=8,
                               repeats=1, kv_streams=2, kv_tokens=32, out=str(tmp_path / "bench.json"))
@@ -115,6 +201,7 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
     assert (tmp_path / "bench.json").is_file()
 
 
+@needs_prepack
 @pytest.mark.real_model
 def test_prepacked_qwen_bf16_gives_transformers_own_greedy_tokens():
     """The server's default on CPU (bf16, prepacked) against transformers' generate() on the model as

@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: $MODEL or the embedded default")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
-                        help="CPU + bf16: prepacked linear weights, as the server runs (default: on)")
+    parser.add_argument("--prepack", nargs="?", const="true", choices=("auto", "true", "false"),
+                        help="CPU + bf16: prepacked linear weights, as the server runs (default: auto)")
+    parser.add_argument("--no-prepack", dest="prepack", action="store_const", const="false")
     parser.add_argument("--quant-variant", action=argparse.BooleanOptionalAction, default=True,
                         help="also time our loop with QUANT=int8 (app/models/quant.py; default: on)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per timed run")

@@ -1,23 +1,25 @@
 """Load one model and its tokenizer: an embedded model name, a local HF directory, a .gguf file, or a hub id.
 
 `LoadedModel` bundles what the rest of the service needs to know about the model: its device, dtype, context
-window, EOS ids, the sampling defaults from its generation_config.json, and how to turn chat messages into ids.
+window, EOS ids, the sampling defaults from its generation_config.json, how to turn chat messages into ids, and
+why its dtype and prepacking are what they are (reported by /ready and /v1/models).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from app.config import prepack_mode
 from app.errors import ConfigError
+from app.models.cpu import auto_dtype, prepack_support
 from app.models.fetch import EMBEDDED, fetch_model
-from app.models.prepack import PackedLinear, prepack_linears, prepack_supported
+from app.models.prepack import PrepackFailed, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
 
 log = logging.getLogger("app.models.loading")
@@ -36,6 +38,8 @@ class LoadedModel:
     max_context: int
     eos_ids: tuple[int, ...]
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    dtype_reason: str = "chosen by the caller"  # why these weights have their dtype (dtype=auto explains itself)
+    prepack: str = "off: not loaded by load_model"  # "on: N linear layers" or "off: why"
 
     @property
     def device(self) -> torch.device:
@@ -70,67 +74,48 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device, hidden_size: int, prepack: bool = True) -> torch.dtype:
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return _fastest_cpu_dtype(hidden_size, prepack)
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The weights' dtype and why: as asked, or for `auto` from the device's features alone (app/models/cpu.py).
 
-
-def _fastest_cpu_dtype(hidden_size: int, prepack: bool) -> torch.dtype:
-    """Decode is a matrix-vector product per layer; time one of the model's shape in bf16 and fp32, keep the faster.
-
-    bf16 reads half the bytes, which wins wherever the CPU has native bf16 dot products (measured about 2x here);
-    on CPUs without them the conversion cost can make fp32 faster. bf16 is timed as it will run: prepacked if on.
+    Never from a timing: a timed probe chose fp32 on one start and bf16 on the next on the same machine, and the
+    same greedy request then gave different text after a restart.
     """
-    # Rows enough for ~64 MB of fp32 weights: bigger than the CPU caches, so the probe is memory-bound
-    # like a real decode step (a cache-resident probe would time arithmetic and wrongly favour fp32).
-    rows = max(4 * hidden_size, (64 << 20) // (4 * hidden_size))
-
-    def seconds(dtype: torch.dtype) -> float:
-        x = torch.ones(1, hidden_size, dtype=dtype)
-        linear = torch.nn.Linear(hidden_size, rows, bias=False, dtype=dtype)
-        torch.nn.init.constant_(linear.weight, 0.01)
-        if prepack and prepack_supported(x.device, dtype):
-            linear = PackedLinear(linear)
-        linear(x)  # warm-up
-        best = float("inf")
-        for _ in range(5):  # the best of several, so a busy neighbour does not decide the dtype
-            start = time.perf_counter()
-            for _ in range(4):
-                linear(x)
-            best = min(best, time.perf_counter() - start)
-        return best / 4
-
-    bf16, fp32 = seconds(torch.bfloat16), seconds(torch.float32)
-    chosen = torch.bfloat16 if bf16 < fp32 else torch.float32
-    log.info("dtype=auto on cpu: bf16 %.2f ms, fp32 %.2f ms per probe; chose %s", bf16 * 1e3, fp32 * 1e3, chosen)
-    return chosen
+    if dtype != "auto":
+        return DTYPES[dtype], f"dtype={dtype} was asked for"
+    return auto_dtype(device)
 
 
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
-               max_model_len: int | None = None, prepack: bool = True, quant: str = "none") -> LoadedModel:
+               max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    prepack = prepack_mode(prepack)
     torch_device = resolve_device(device)
+    if quant != "none" and dtype == "auto" and dynamic_int8_supported(torch_device, torch.float32):
+        # int8 x uint8 dynamic kernels take fp32 activations (app/models/quant.py)
+        torch_dtype, dtype_reason = torch.float32, f"QUANT={quant}: its dynamic int8 kernels take fp32 activations"
+    else:
+        torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device)
+    if prepack == "true" and (why := prepack_support(torch_device, torch_dtype)):  # before minutes of loading
+        raise ConfigError(f"PREPACK=true, but {why} (dtype: {dtype_reason}); set PREPACK=auto to prepack only "
+                          "where it runs", param="prepack")
+    log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
     source, kwargs = _locate(name_or_path, Path(cache_dir))
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        if quant != "none" and dtype == "auto" and dynamic_int8_supported(torch_device, torch.float32):
-            torch_dtype = torch.float32  # int8 x uint8 dynamic kernels take fp32 activations (app/models/quant.py)
-        else:
-            torch_dtype = resolve_dtype(dtype, torch_device, config.hidden_size, prepack)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        # Straight onto the device in its dtype: loading on the CPU and then moving would hold the weights twice.
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch_device, **kwargs)
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
-    model.to(torch_device).eval()
+    model.eval()
     if quant != "none":
         quantize_linears(model, quant)  # every linear, lm_head included; nothing is left for prepack below
-    if prepack and prepack_supported(torch_device, model.dtype):
-        prepack_linears(model)  # app/prepack.py: ~2.5x faster bf16 linears on CPU, bit-identical outputs
+        prepack_state = f"off: QUANT={quant} replaced every linear layer"
+    else:
+        prepack_state = _prepack(model, prepack, torch_device, torch_dtype)
+    log.info("prepack %s", prepack_state)
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
@@ -140,7 +125,22 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if max_model_len is not None and max_model_len > model_len:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {model_len}", param="max_model_len")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
-                       eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults)
+                       eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
+                       prepack=prepack_state)
+
+
+def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Prepack where it runs (app/models/prepack.py: ~2.5x faster bf16 linears on CPU, bit-identical outputs);
+    returns what was done, for the log, /ready and /v1/models."""
+    if mode == "false":
+        return "off: PREPACK=false"
+    if why := prepack_support(device, dtype):  # auto; `true` was refused before loading
+        return f"off: {why}"
+    try:
+        count = prepack_linears(model, strict=mode == "true")
+    except PrepackFailed as err:
+        raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
+    return f"on: {count} linear layers" if count else "off: oneDNN refused the reorder (see the log)"
 
 
 def _locate(name_or_path: str, cache_dir: Path) -> tuple[str, dict[str, Any]]:

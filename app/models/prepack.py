@@ -9,6 +9,10 @@ do; we do it with the same private op inductor uses.
 The kernel is oneDNN's in both cases, so outputs are bit-identical to `nn.Linear`, which keeps our tokens equal
 to transformers' own. `prepack_linears` checks that on every layer as it packs it, and leaves a layer plain
 wherever it is not (another CPU, another torch build).
+
+Where it runs: the reorder needs AVX512BW+VL+DQ or AVX-NE-CONVERT (app/models/cpu.py decides from the CPU's
+features); should it raise anyway, the model stays plain. A weight tied to the input embedding (SmolLM2's lm_head)
+stays plain too: the embedding needs it in the plain layout, so a packed copy would hold it twice.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import logging
 import torch
 from torch import nn
 
+from app.models.cpu import prepack_support
+
 log = logging.getLogger("app.models.prepack")
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return prepack_support(device, dtype) is None
 
 
 class PackedLinear(nn.Module):
@@ -50,15 +55,34 @@ def _same_as_plain(linear: nn.Linear, packed: PackedLinear) -> bool:
     return all(torch.equal(linear(x), packed(x)) for x in (probe[:, :1], probe))
 
 
+class PrepackFailed(RuntimeError):
+    """oneDNN refused to reorder a weight on this machine."""
+
+
 @torch.no_grad()
-def prepack_linears(model: nn.Module) -> int:
-    """Swap each `nn.Linear` of `model` for a `PackedLinear`, in place; returns how many were packed."""
-    packed_count = kept = 0
+def prepack_linears(model: nn.Module, strict: bool = False) -> int:
+    """Swap each `nn.Linear` of `model` for a `PackedLinear`, in place; returns how many were packed.
+
+    If oneDNN refuses a reorder, the layers not yet packed stay plain (one log line), or with `strict` it raises
+    `PrepackFailed`. Either way each layer is `nn.Linear` or an exact `PackedLinear`, so the model still runs.
+    """
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    packed_count = kept = tied = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:  # subclasses (quantized layers and the like) keep their own forward
                 continue
-            packed = PackedLinear(child)
+            if child.weight.data_ptr() in embedded:
+                tied += 1
+                continue
+            try:
+                packed = PackedLinear(child)
+            except RuntimeError as err:  # the CPU checks in app/models/cpu.py should make this unreachable
+                if strict:
+                    raise PrepackFailed(f"oneDNN could not reorder a bf16 weight here: {err}") from err
+                log.warning("prepack: oneDNN could not reorder a bf16 weight (%s); %d layers stay plain", err,
+                            sum(type(m) is nn.Linear for m in model.modules()))
+                return packed_count
             if _same_as_plain(child, packed):
                 setattr(parent, name, packed)
                 packed_count += 1
@@ -66,6 +90,8 @@ def prepack_linears(model: nn.Module) -> int:
                 kept += 1
     if kept:
         log.warning("prepack: %d linear layers gave different results packed and stayed plain", kept)
+    if tied:
+        log.info("prepack: %d linear layer(s) share their weight with the input embedding and stay plain", tied)
     log.info("prepack: %d linear layers reordered for oneDNN", packed_count)
     return packed_count
 
