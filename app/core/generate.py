@@ -1,7 +1,8 @@
 """The decode loop: the article's `simple_generate`, with a per-request KV cache, streaming events and stop rules.
 
     1) prefill: run the model body over the prompt once, filling this request's own DynamicCache,
-       and apply lm_head to the last position only (full-prompt logits would be prompt_len x vocab floats);
+       and make logits for the last position only (full-prompt logits would be prompt_len x vocab floats),
+       as the model's own forward makes them (app/models/logits.py: lm_head, then any scaling or soft-capping);
     2) choose the next token from those logits (app.core.sampling);
     3) turn it into text and check the stop rules (app.core.detokenize, app.core.stopping), and yield an event;
     4) decode: feed only the new token at its position, and go back to 2.
@@ -25,6 +26,7 @@ from app.core.batching import PackedCaches, attention_windows, packed_inputs
 from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
+from app.models.logits import logits_from_hidden
 from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
 from app.core.stopping import StopStringFilter, token_finish_reason
 
@@ -209,7 +211,7 @@ def prefill(model, seq: Sequence, chunk_size: int | None = None) -> torch.Tensor
     hidden = model.model(input_ids=input_ids, position_ids=positions, cache=seq.cache, use_cache=True)
     if end < seq.prompt_len:
         return None
-    return model.lm_head(hidden.last_hidden_state[:, -1:, :])[:, -1, :].float()
+    return logits_from_hidden(model, hidden.last_hidden_state[:, -1:, :])[:, -1, :].float()
 
 
 @torch.inference_mode()
@@ -217,7 +219,7 @@ def decode_step(model, seq: Sequence) -> torch.Tensor:
     """Feed only the newest token at its position; the cache holds everything before it."""
     position = torch.tensor([[seq.length - 1]], device=seq.token_ids.device)  # [1, 1]
     hidden = model.model(input_ids=seq.last_token, position_ids=position, cache=seq.cache, use_cache=True)
-    return model.lm_head(hidden.last_hidden_state)[:, -1, :].float()  # [1, vocab]
+    return logits_from_hidden(model, hidden.last_hidden_state)[:, -1, :].float()  # [1, vocab]
 
 
 @torch.inference_mode()
@@ -241,7 +243,7 @@ def forward_many(model, work: list[tuple[Sequence, int]], n_out: Seq[int] | None
     n_out = n_out or [1] * len(work)
     last = torch.tensor([end - n + j for (_, end), n in zip(packed["spans"], n_out) for j in range(n)],
                         device=device)
-    return model.lm_head(hidden[0, last]).float()  # lm_head only where a token is to be chosen
+    return logits_from_hidden(model, hidden[:, last])[0].float()  # only where a token is to be chosen
 
 
 def generate(model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
@@ -264,7 +266,7 @@ def reference_generate(model, prompt_ids: Seq[int], max_new_tokens: int, eos_ids
     output: list[int] = []
     for _ in range(max_new_tokens):
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [1, S, H]
-        logits = model.lm_head(hidden[:, -1, :])  # [1, vocab]: last position only
+        logits = logits_from_hidden(model, hidden[:, -1:, :])[:, -1]  # [1, vocab]: last position only
         next_id = logits.argmax(dim=-1)  # [1]
         output.append(int(next_id.item()))
         if output[-1] in eos_ids:
