@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium serve test test-fast screenshot bench bench-compare bench-quality gpu-check clean
+.PHONY: setup models chromium serve test test-avx2 test-fast screenshot bench bench-compare bench-quality gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -34,6 +34,14 @@ serve: setup
 
 test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS)
+
+# The AVX2-only path on any x86 CPU, run by `make test` too: the loading, dtype, prepack-fallback, logits and
+# decode-loop tests again with AVX-512 and AMX hidden from ATen and oneDNN (fp32, plain layers, AVX2 kernels).
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py tests/test_logits.py
+test-avx2: setup
+	$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS)
 
 # Unit tests on the tiny in-test model only: seconds, no downloads (so no browser either).
 test-fast: $(VENV)/.installed
