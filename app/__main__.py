@@ -1,4 +1,4 @@
-"""`python -m app serve | generate | fetch-model | bench generate | bench serve`."""
+"""`python -m app serve | generate | fetch-model | bench generate | serve | compare | grammar`."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
     # the benchmarks are optional leaves of the CLI
-    from app.bench import (compare as bench_compare, generate as bench_generate, quality as bench_quality,
-                           serve as bench_serve, shortcuts as bench_shortcuts)
+    from app.bench import (compare as bench_compare, generate as bench_generate, grammar as bench_grammar,
+                           quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts)
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_quality.add_arguments(bench_kinds.add_parser("quality", help="perplexity and greedy agreement of bf16/int8"))
     bench_shortcuts.add_arguments(bench_kinds.add_parser("shortcuts", help="prefix cache and n-gram speculation, "
                                                          "on against off"))
+    bench_grammar.add_arguments(bench_kinds.add_parser("grammar", help="structured output: engines and cost"))
 
     args = parser.parse_args(argv)
     try:
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_quality.run(args)
         elif args.bench_command == "shortcuts":
             bench_shortcuts.run(args)
+        elif args.bench_command == "grammar":
+            bench_grammar.run(args)
         else:
             bench_serve.run(args)
         return 0

@@ -1,0 +1,16 @@
+"""`bench grammar` on the tiny model: both parts run and report figures."""
+
+from __future__ import annotations
+
+from app.bench.grammar import SCHEMA, time_decode, time_engines
+from app.core.batching import enable_packed_batching
+from app.core.constraints import Grammars
+
+
+def test_engines_and_decode_figures(tiny_lm):
+    engines = time_engines(tiny_lm.tokenizer, tiny_lm.vocab_size, list(tiny_lm.eos_ids), [1, 2])
+    assert engines["xgrammar"]["compile_ms"] > 0 and engines["xgrammar"]["step_ms_b2"] > 0
+    assert "llguidance" not in engines or engines["llguidance"]["step_ms_b1"] > 0
+    assert enable_packed_batching(tiny_lm.model)
+    grammar = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids).json_schema(SCHEMA)
+    assert time_decode(tiny_lm, 2, 3, grammar) > 0 and time_decode(tiny_lm, 2, 3, None) > 0
