@@ -125,14 +125,13 @@ async def list_models(state: State) -> dict:
 async def tokenize(body: TokenizeRequest, serving: Serving) -> dict:
     if body.model is not None:
         serving.check_model(body.model)
-    lm = serving.lm
     if body.messages is not None:
-        ids = lm.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = await serving.encode_messages(body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
     elif body.prompt is not None:
-        ids = lm.encode_text(body.prompt)
+        ids = await serving.encode_text(body.prompt)
     else:
         raise InvalidRequest("give `prompt` or `messages`", param="prompt")
-    return {"tokens": ids, "count": len(ids), "max_model_len": lm.max_context}
+    return {"tokens": ids, "count": len(ids), "max_model_len": serving.lm.max_context}
 
 
 @router.post("/detokenize")

@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "
                                        "CPU: half the RAM available after loading)")
+    default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "
+                                    "context left)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")

@@ -103,17 +103,20 @@ class AccessAndLimits:
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._too_large(send, limit, scope)
-        received = 0
+        received, too_large = 0, False
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             received += len(message.get("body", b""))
             if received > limit:  # chunked bodies carry no content-length
+                too_large = True
                 raise BodyTooLarge()
             return message
 
         async def tracking_send(message):
+            if too_large:
+                return  # FastAPI turns a failed body read into its own 400; the answer is our 413
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
@@ -121,10 +124,12 @@ class AccessAndLimits:
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
-            await self._too_large(send, limit, scope)
-            status["code"] = 413
+            pass
         finally:
-            self._log(scope, status["code"], started)
+            if too_large:
+                await self._too_large(send, limit, scope)
+            else:
+                self._log(scope, status["code"], started)
 
     async def _too_large(self, send, limit: int, scope) -> None:
         body = json.dumps({"error": {"message": f"request body exceeds {limit} bytes", "type": "invalid_request_error",

@@ -47,7 +47,7 @@ class ServerState:
             if self.engine.load_error is not None:
                 raise self.engine.load_error
             self.lm = self.engine.lm
-            self.serving = CompletionServing(self.engine, self.lm, s.model_id)
+            self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens)
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"

@@ -28,7 +28,7 @@ from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
 from app.models.logits import logits_from_hidden
 from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
-from app.core.stopping import StopStringFilter, token_finish_reason
+from app.core.stopping import StopStringFilter, special_stop_ids, token_finish_reason
 
 
 @dataclass
@@ -74,8 +74,10 @@ class Sequence:
         self.cache = DynamicCache(config=model.config)
         self.generator = make_generator(params.seed, device)
         self.eos_ids = frozenset(eos_ids)
-        # EOS is banned until min_tokens exist (vLLM semantics)
-        self.banned_until_min = list(self.eos_ids) if params.min_tokens and not params.ignore_eos else []
+        self.stop_ids = frozenset(params.stop_token_ids) | special_stop_ids(tokenizer, params.stop)
+        # EOS and stop ids are banned until min_tokens exist (vLLM semantics)
+        ends = (set() if params.ignore_eos else set(self.eos_ids)) | self.stop_ids
+        self.banned_until_min = sorted(ends) if params.min_tokens else []
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop_filter = StopStringFilter(params.stop)
         self.stages: list[tuple[str, torch.Tensor]] | None = None  # the last pick's stages, when inspecting
@@ -154,10 +156,12 @@ class Sequence:
     def _finish_event(self, event: TokenEvent) -> TokenEvent:
         p = self.params
         reason = token_finish_reason(event.token_id, self.n_generated, self.max_new_tokens, self.eos_ids,
-                                     p.min_tokens, p.ignore_eos)
+                                     p.min_tokens, p.ignore_eos, self.stop_ids)
         if reason is None and self.grammar is not None and self.grammar.terminated:
             reason = "stop"  # the document is complete: nothing may follow it, whatever ignore_eos says
-        text = self.detokenizer.add(event.token_id)
+        stopped_by_id = reason == "stop" and event.token_id in self.stop_ids
+        # a stop token's own text is never shown, like a stop string's
+        text = "" if stopped_by_id else self.detokenizer.add(event.token_id)
         if reason is not None:  # the last token: release what the detokenizer still holds
             text += self.detokenizer.flush()
         matched = False

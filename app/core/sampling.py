@@ -34,6 +34,14 @@ BUILTIN_DEFAULTS: dict[str, Any] = dict(
 assert set(BUILTIN_DEFAULTS) == set(GENERATION_CONFIG_KEYS), "every model default needs a built-in one"
 MAX_INSPECT = 20
 
+# Bounds on what one request may ask of the engine thread, which pays for each of these on every step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # the held-back tail is matched against every stop on each token
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
+MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM: torch's generators take 64 bits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,6 +56,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's field: stop on these ids, whether or not they decode to text
     min_tokens: int = 0  # EOS and stop strings are ignored until this many tokens exist
     ignore_eos: bool = False
     logprobs: bool = False
@@ -74,8 +83,16 @@ class SamplingParams:
         check(all(isinstance(k, int) and k >= 0 for k in self.logit_bias), "logit_bias", "keys must be token ids")
         check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
+        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may have at most {MAX_LOGIT_BIAS} entries")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        check(0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
+        check(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+              f"strings may be at most {MAX_STOP_CHARS} characters long")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              f"must be at most {MAX_STOP_TOKEN_IDS} token ids")
+        check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", "must fit in 64 bits")
+        check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         check(0 <= self.inspect <= MAX_INSPECT, "inspect", f"must be in [0, {MAX_INSPECT}] candidates")
 
     @property
@@ -83,10 +100,11 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
     def check_vocab(self, vocab_size: int) -> None:
-        unknown = sorted(t for t in self.logit_bias if t >= vocab_size)
-        if unknown:
-            raise InvalidRequest(f"logit_bias names token ids outside the vocabulary (size {vocab_size}): {unknown[:5]}",
-                                 param="logit_bias")
+        for param, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            unknown = sorted(t for t in ids if t >= vocab_size)
+            if unknown:
+                raise InvalidRequest(f"{param} names token ids outside the vocabulary (size {vocab_size}): "
+                                     f"{unknown[:5]}", param=param)
 
     def effective(self) -> dict[str, Any]:
         """What will actually be used, for the `x-sampling-params` header and `--show-logits`."""
@@ -114,6 +132,8 @@ def resolve_sampling_params(request: Mapping[str, Any], model_defaults: Mapping[
     if "stop" in merged:
         stop = merged["stop"]
         merged["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if "stop_token_ids" in merged:
+        merged["stop_token_ids"] = tuple(merged["stop_token_ids"])
     return SamplingParams(**merged)
 
 

@@ -3,6 +3,9 @@
 Stop strings are matched on text, not tokens, because a string like "\n\n" can be split across tokens in many ways.
 `StopStringFilter` holds back any tail of the text that could still grow into a stop string, so a client never sees
 the start of a stop string that later completes (litgpt and vLLM do the same).
+
+Special tokens (`<|im_end|>`, `<|endoftext|>`) are never in the decoded text, so a stop string that names one is
+matched as its token id instead (`special_stop_ids`), next to vLLM's `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -10,10 +13,19 @@ from __future__ import annotations
 from typing import Iterable
 
 
+def special_stop_ids(tokenizer, stops: Iterable[str]) -> frozenset[int]:
+    """Ids of the special tokens that some stop string names exactly: decoding skips them, so only ids can match."""
+    wanted = set(stops)
+    added = getattr(tokenizer, "added_tokens_decoder", {})  # {id: AddedToken}
+    return frozenset(i for i, token in added.items() if token.special and token.content in wanted)
+
+
 def token_finish_reason(token_id: int, n_generated: int, max_tokens: int, eos_ids: frozenset[int],
-                        min_tokens: int = 0, ignore_eos: bool = False) -> str | None:
-    """`n_generated` counts this token. EOS gives "stop"; running out of budget gives "length"."""
-    if token_id in eos_ids and not ignore_eos and n_generated >= min_tokens:
+                        min_tokens: int = 0, ignore_eos: bool = False,
+                        stop_ids: frozenset[int] = frozenset()) -> str | None:
+    """`n_generated` counts this token. EOS or a stop id gives "stop"; running out of budget gives "length".
+    `ignore_eos` ignores only the model's EOS: stop ids are the request's own."""
+    if n_generated >= min_tokens and (token_id in stop_ids or token_id in eos_ids and not ignore_eos):
         return "stop"
     if n_generated >= max_tokens:
         return "length"
@@ -49,8 +61,10 @@ class StopStringFilter:
 
     def _longest_tail_that_starts_a_stop(self) -> int:
         longest = min(len(self.pending), max(len(s) for s in self.stops) - 1)
+        firsts = {s[0] for s in self.stops}
         for k in range(longest, 0, -1):
             tail = self.pending[-k:]
-            if any(s.startswith(tail) for s in self.stops):
+            # the first-character test keeps this near O(L) per token for the usual text
+            if tail[0] in firsts and any(s.startswith(tail) for s in self.stops):
                 return k
         return 0

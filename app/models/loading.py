@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from jinja2 import TemplateError
 
 from app.config import prepack_mode
-from app.errors import ConfigError
+from app.errors import ConfigError, InvalidRequest
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.fetch import EMBEDDED, fetch_model
 from app.models.prepack import PrepackFailed, prepack_linears
@@ -54,11 +55,19 @@ class LoadedModel:
         return self.model.config.vocab_size
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Render with the tokenizer's own chat template (and its way of showing `tools`), ending in the assistant's
-        turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`."""
-        text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                                  add_generation_prompt=True, **(template_kwargs or {}))
+        turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`.
+
+        A template that cannot render these messages is the caller's problem to fix, not a server fault: no
+        template at all, or one that raises on the role order or a system message (`raise_exception`)."""
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
+        except (TemplateError, ValueError) as err:  # transformers raises ValueError when there is no template
+            raise InvalidRequest(f"the model's chat template cannot render these messages: {err}",
+                                 param="messages") from err
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:

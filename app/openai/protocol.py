@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from app.errors import InvalidRequest
-from app.core.sampling import MAX_INSPECT, SamplingParams, resolve_sampling_params
+from app.core.sampling import (MAX_INSPECT, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                               MAX_TOP_LOGPROBS, SEED_RANGE, SamplingParams, resolve_sampling_params)
 from app.openai.reasoning import ReasoningFormat, reasoning_budget
 from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
-MAX_STOP_STRINGS = 16
 MAX_N = 8
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
 RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                                     "add_generation_prompt", "continue_final_message", "return_dict",
                                     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})
+# The OpenAPI schema states the bounds SamplingParams enforces, so clients (and the fuzzer) see the real contract.
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+StopField = Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+    _STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]})]
+LogitBiasField = Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [
+    {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}]})]
 
 
 class TextPart(BaseModel):
@@ -60,42 +67,47 @@ class InspectOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by chat and legacy completions. Ranges are checked once, by SamplingParams."""
+    """Fields shared by chat and legacy completions. SamplingParams checks them again (for the CLI and the model's
+    own defaults); the bounds here are the same numbers, stated for the OpenAPI schema."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables it")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: LogitBiasField = None
+    stop: StopField = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     inspect: InspectOptions | None = None  # ours: the token inspector (the playground, docs/walkthrough.md)
     user: str | None = None
 
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long")
         return stop
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _n_range(cls, n: int) -> int:
-        if not 1 <= n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        return n
+    def _small_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        return bias
 
     def unsupported_fields(self) -> None:
         """Reject fields that would change the answer if we silently ignored them."""
@@ -125,20 +137,26 @@ class _SamplingFields(BaseModel):
         return None  # only chat answers think
 
     def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0,
-                           reasoning: ReasoningFormat | None = None, grammar: Any = None) -> SamplingParams:
+                           reasoning: ReasoningFormat | None = None, grammar: Any = None,
+                           default_max_tokens: int | None = None) -> SamplingParams:
         """Request fields -> SamplingParams: the one place the wire format meets the engine. `reasoning`: how the
         served model marks its thinking, or None for a model that does not think. `grammar`: the compiled
-        constraint (app.openai.structured says what it enforces), or None."""
+        constraint (app.openai.structured says what it enforces), or None.
+
+        `default_max_tokens` applies when the request sets no limit: the serving layer caps it (like OpenAI's
+        per-model output limit), so that n choices can never each run to the end of the context by default."""
         self.unsupported_fields()
         logprobs, top_logprobs = self._logprob_settings()
+        max_tokens = self._max_tokens()
         fields: dict[str, Any] = {
-            "max_tokens": self._max_tokens(), "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "stop": self.stop, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "logprobs": logprobs, "top_logprobs": top_logprobs, "inspect": self.inspect.top if self.inspect else 0,
-            # choices of one request must differ, yet stay reproducible for a fixed seed
-            "seed": None if self.seed is None else self.seed + choice_index,
+            # choices of one request must differ, yet stay reproducible for a fixed seed (and inside 64 bits)
+            "seed": None if self.seed is None else (self.seed + choice_index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0],
             "preamble": self._preamble(reasoning), "grammar": grammar,
         }
         if self.top_k == -1:  # vLLM's spelling of "disabled"
@@ -151,11 +169,28 @@ class _SamplingFields(BaseModel):
         return resolve_sampling_params({k: v for k, v in fields.items() if v is not None}, model_defaults)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Wire messages -> what the chat template renders; chat completions and /tokenize share it, so /tokenize
+    counts exactly the prompt a completion would get."""
+    out = []
+    for i, m in enumerate(messages):
+        # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.role == "assistant" and (m.reasoning_content or m.reasoning):
+            message["reasoning_content"] = m.reasoning_content or m.reasoning
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(m.tool_calls, f"messages.{i}")
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # the chat template's own switches, e.g. {"enable_thinking": false} for Qwen3 (as in vLLM and llama.cpp)
     chat_template_kwargs: dict[str, Any] | None = None
     # a cap on a reasoning model's thinking, in tokens; `reasoning_effort` (OpenAI's) maps to one
@@ -196,23 +231,12 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
-        messages = []
-        for i, m in enumerate(self.messages):
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.role == "assistant" and (m.reasoning_content or m.reasoning):
-                message["reasoning_content"] = m.reasoning_content or m.reasoning
-            if m.tool_calls:
-                message["tool_calls"] = template_tool_calls(m.tool_calls, f"messages.{i}")
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        return messages
+        return template_messages(self.messages)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str]
-    logprobs: int | None = None  # legacy API: an int, the number of top alternatives
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy API: the number of top alternatives
 
     def _logprob_settings(self) -> tuple[bool, int]:
         if self.logprobs is None:
@@ -230,13 +254,16 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages or [])
 
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class Usage(BaseModel):

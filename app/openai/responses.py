@@ -43,7 +43,7 @@ class ResponsesServing:
         self.serving.check_model(body.model)
         chat = body.to_chat_request()
         try:
-            prompt_ids = self.serving.encode_chat(chat)
+            prompt_ids = await self.serving.encode_chat(chat)
             grammar = await self.serving.grammar(chat)  # text.format json_schema, a forced tool_choice
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent

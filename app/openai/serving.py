@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from app.core.engine import Engine
@@ -42,10 +41,11 @@ def error_body(err: ServeError) -> dict[str, Any]:
 
 
 class CompletionServing:
-    def __init__(self, engine: Engine, lm: LoadedModel, model_id: str):
+    def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None):
         self.engine = engine
         self.lm = lm
         self.model_id = model_id
+        self.default_max_tokens = default_max_tokens
         # stable across restarts (str hash() is salted per process): changes only with the model and dtype
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
         self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
@@ -54,23 +54,29 @@ class CompletionServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        prompt_ids = self.encode_chat(body)
+        prompt_ids = await self.encode_chat(body)
         return await self._serve(body, request, prompt_ids, chat=True)
 
-    def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+    async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         body.check_tools()
         if body.tools and self.tool_format is None:
             raise InvalidRequest(f"the chat template of {self.model_id!r} cannot show tools to the model, so "
                                  "`tools` cannot be served", param="tools")
-        try:
-            return self.lm.encode_chat(body.chat_messages(), body.template_kwargs(), tools=body.template_tools())
-        except TemplateError as err:  # e.g. a template that insists on alternating roles
-            raise InvalidRequest(f"the chat template rejected these messages: {err}", param="messages") from err
+        return await self.encode_messages(body.chat_messages(), body.template_kwargs(), body.template_tools())
 
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        prompt_ids = self.lm.encode_text(body.prompt_text())
+        prompt_ids = await self.encode_text(body.prompt_text())
         return await self._serve(body, request, prompt_ids, chat=False)
+
+    # The template and the tokenizer take seconds on a 1 MiB body: in a thread, so streams and probes keep going.
+    async def encode_messages(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                              tools: list[dict[str, Any]] | None = None,
+                              add_generation_prompt: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.lm.encode_chat, messages, template_kwargs, tools, add_generation_prompt)
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.lm.encode_text, text)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -91,7 +97,9 @@ class CompletionServing:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Chat completions and the Responses API both come through here."""
         reasoning = self.reasoning if chat else None
-        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar)
+        room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
+        default_max = min(self.default_max_tokens or room, room) if room >= 1 else None
+        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max)
                   for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
         choices = self._submit(prompt_ids, params, thinking)
@@ -99,7 +107,7 @@ class CompletionServing:
             for choice in choices:
                 choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls)
         request.state.prompt_tokens = len(prompt_ids)
-        headers = {"x-sampling-params": json.dumps(params[0].effective(), ensure_ascii=True, default=str)}
+        headers = {"x-sampling-params": sampling_header(params[0])}
         return choices, headers
 
     async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
@@ -290,6 +298,14 @@ async def merge_events(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Tok
     finally:
         for task in tasks:
             task.cancel()
+
+
+def sampling_header(params: SamplingParams) -> str:
+    """The effective settings for the `x-sampling-params` header, with lists (stop strings, stop ids, logit_bias)
+    counted instead of listed: echoed whole they can pass 16 KiB, which httpx, the openai SDK and proxies reject."""
+    effective = {name: len(value) if isinstance(value, (list, tuple, dict)) else value
+                 for name, value in params.effective().items()}
+    return json.dumps(effective, ensure_ascii=True, default=str)
 
 
 def record_timing(request: Request, choices: list[Choice]) -> None:
