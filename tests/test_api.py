@@ -552,3 +552,21 @@ def test_tokenize_maps_developer_to_system_like_chat(make_tiny_server):
     assert chat["usage"]["prompt_tokens"] == tokens["count"]
     no_prompt = httpx.post(server.url + "/tokenize", json={"messages": developer, "add_generation_prompt": False})
     assert no_prompt.json()["count"] < tokens["count"]
+
+
+def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_server, monkeypatch):
+    import app.core.engine as engine_module
+
+    real = engine_module.forward_many
+    monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.02), real(m, w))[1])
+    server = make_tiny_server()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + CHAT, json=chat_body(max_tokens=200), timeout=0.5)
+    deadline = time.monotonic() + 10
+    while server.state.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.engine.in_flight == 0, "the generation was cancelled"
+    time.sleep(0.3)  # the access line is written after the handler returns
+    counted = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith('simple_serve_requests_total{endpoint="/v1/chat/completions"')]
+    assert counted and not any('status="5' in line for line in counted), counted
