@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_kinds = bench.add_subparsers(dest="bench_command", required=True)
     # the benchmarks are optional leaves of the CLI
     from app.bench import (compare as bench_compare, generate as bench_generate, grammar as bench_grammar,
-                           quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts)
+                           quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts,
+                           soak as bench_soak)
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_shortcuts.add_arguments(bench_kinds.add_parser("shortcuts", help="prefix cache and n-gram speculation, "
                                                          "on against off"))
     bench_grammar.add_arguments(bench_kinds.add_parser("grammar", help="structured output: engines and cost"))
+    bench_soak.add_arguments(bench_kinds.add_parser("soak", help="a long mixed load, then checks that the server "
+                                                    "held up (exit 1 if not)"))
 
     args = parser.parse_args(argv)
     try:
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_shortcuts.run(args)
         elif args.bench_command == "grammar":
             bench_grammar.run(args)
+        elif args.bench_command == "soak":
+            return bench_soak.run(args)
         else:
             bench_serve.run(args)
         return 0

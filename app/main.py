@@ -8,6 +8,7 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -52,7 +53,21 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
                            allow_headers=["*"], expose_headers=["x-sampling-params"])
     app.add_middleware(AccessAndLimits, state=state)
     install_error_handlers(app)
+    app.openapi = partial(served_openapi, app, settings.model_id)
     return app
+
+
+def served_openapi(app: FastAPI, model_id: str) -> dict:
+    """FastAPI's schema, plus what only this server knows: `model` takes the one id it serves (any other is a 404),
+    so clients and the fuzzer (tests/test_fuzz.py) see the real contract."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for component in schema.get("components", {}).get("schemas", {}).values():
+            model = component.get("properties", {}).get("model")
+            for branch in (model.get("anyOf", [model]) if model else []):
+                if branch.get("type") == "string":
+                    branch["enum"] = [model_id]
+    return app.openapi_schema
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 
 # `*_created` timestamps double the output and no dashboard uses them.
 disable_created_metrics()
@@ -15,6 +15,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the soak watches RSS through it
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests to the API, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens prefilled", registry=r)

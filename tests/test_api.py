@@ -570,3 +570,16 @@ def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_se
     counted = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
                if line.startswith('simple_serve_requests_total{endpoint="/v1/chat/completions"')]
     assert counted and not any('status="5' in line for line in counted), counted
+
+
+def test_extreme_temperature_and_penalty_never_give_nan(make_tiny_server):
+    """Found by the fuzzer: a repetition_penalty of 5e-324 divided the logits into inf, and softmax into NaN (500)."""
+    server = make_tiny_server()
+    for value in (5e-324, 1e-3, 101):
+        r = httpx.post(server.url + CHAT, json=chat_body(repetition_penalty=value, temperature=1.0, max_tokens=3))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    for temperature in (5e-324, 1e-30, 1e-3, 1e30):
+        r = httpx.post(server.url + CHAT, json=chat_body(temperature=temperature, max_tokens=3, ignore_eos=True,
+                                                         repetition_penalty=0.01, logit_bias={"5": 100}))
+        assert r.status_code == 200, (temperature, r.text)
+        assert r.json()["choices"][0]["finish_reason"] == "length"

@@ -120,6 +120,9 @@ class Result:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty content chunk
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    status: int | None = None  # HTTP status; None when no response came
+    done: bool = False  # a stream's `data: [DONE]` arrived
+    error_body: str | None = None  # the body of a 4xx/5xx answer
 
 
 async def _read_sse(resp: httpx.Response, res: Result) -> dict:
@@ -135,6 +138,7 @@ async def _read_sse(resp: httpx.Response, res: Result) -> dict:
             event = value
             continue
         if value.strip() == "[DONE]":
+            res.done = True
             break
         chunk = None if event == "error" else json.loads(value)
         if chunk is None or "error" in chunk:  # `event: error`, or an error object sent as plain data
@@ -150,12 +154,16 @@ async def _read_sse(resp: httpx.Response, res: Result) -> dict:
     return usage
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, body: dict, stream: bool) -> Result:
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict | bytes, stream: bool,
+                       timeout: float | None = None) -> Result:
+    """`timeout` overrides the client's for this request (the soak's impatient clients)."""
     res = Result(t_start=time.perf_counter())
+    extra = {} if timeout is None else {"timeout": timeout}
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        async with client.stream("POST", url, **request_kwargs(body), **extra) as resp:
+            res.status = resp.status_code
             if resp.status_code >= 400:
-                text = (await resp.aread()).decode(errors="replace")
+                text = res.error_body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {_error_message(text)}"
             elif stream:
                 usage = await _read_sse(resp, res)
@@ -170,6 +178,13 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict, stream: 
         res.error = f"{type(exc).__name__}: {exc}"[:300]
     res.t_end = time.perf_counter()
     return res
+
+
+def request_kwargs(body: dict | bytes) -> dict:
+    """A dict is sent as JSON; bytes as they are (the soak's malformed bodies)."""
+    if isinstance(body, bytes):
+        return {"content": body, "headers": {"content-type": "application/json"}}
+    return {"json": body}
 
 
 def _stats(values: list[float]) -> dict:

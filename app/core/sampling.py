@@ -41,6 +41,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 MAX_TOP_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM: torch's generators take 64 bits
+# Dividing float32 logits by a tiny temperature or penalty overflows to inf, and softmax then gives NaN. A temperature
+# below this samples as this (vLLM does the same; the draw is all but greedy anyway); penalties must be in range.
+MIN_TEMPERATURE = 1e-2
+REPETITION_PENALTY_RANGE = (1e-2, 100.0)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class SamplingParams:
         check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+              "repetition_penalty", f"must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}]")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
@@ -173,7 +178,7 @@ def suppress_tokens(logits: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits if temperature == 1.0 else logits / temperature
+    return logits if temperature == 1.0 else logits / max(temperature, MIN_TEMPERATURE)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from app.errors import InvalidRequest
 from app.core.sampling import (MAX_INSPECT, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                               MAX_TOP_LOGPROBS, SEED_RANGE, SamplingParams, resolve_sampling_params)
+                               MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
+                               resolve_sampling_params)
 from app.openai.reasoning import ReasoningFormat, reasoning_budget
 from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
@@ -77,12 +78,12 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables it")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: LogitBiasField = None
     stop: StopField = None
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -235,7 +236,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+    prompt: Annotated[str | list[str], WithJsonSchema({"anyOf": [  # one prompt per request (see prompt_text)
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]})]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy API: the number of top alternatives
 
     def _logprob_settings(self) -> tuple[bool, int]:

@@ -1,0 +1,317 @@
+"""Soak: a long mixed load against a running server, then checks that it held up.
+
+    python -m app bench soak --url http://127.0.0.1:8000 --model ID --minutes 30 [--server-pid PID]
+
+Each of `--concurrency` workers loops over a weighted mix: streams, non-streams, streams cancelled mid-way, clients
+that time out, malformed or invalid requests, and now and then a burst of `--burst` requests at once, past the
+queue cap, which must get 429s rather than errors. The requests go through bench serve's client (`_one_request`).
+
+Checks (the exit status is 1 when one fails):
+- no 5xx, neither seen by the clients nor counted by the server's /metrics (a client that timed out sees nothing);
+- every stream the client did not abandon ended with `data: [DONE]` or a clean error (an SSE error event, or a
+  4xx/429 before it began);
+- every 4xx body is OpenAI's error JSON;
+- the server's RSS grew by less than 5% between minute 2 (or 20% of a shorter run) and the end: from /proc with
+  --server-pid, else from /metrics' process_resident_memory_bytes;
+- once the load stops, active sequences, queued requests and KV cache bytes in use go back to 0 (from /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from app.bench.serve import Result, _one_request, build_prompt
+
+RSS_GROWTH_LIMIT = 0.05
+RSS_SAMPLE_S = 5.0
+SETTLE_S = 30.0  # how long the server may take to free everything after the load stops
+# (kind, weight): the mix each worker draws from
+MIX = (("stream", 40), ("non_stream", 22), ("cancel", 12), ("timeout", 6), ("bad", 15), ("burst", 5))
+BAD_BODIES: list[tuple[str, dict | bytes]] = [
+    ("invalid-json", b'{"model": "x", "messages": ['),
+    ("temperature", {"temperature": -1}),
+    ("messages-empty", {"messages": []}),
+    ("unknown-model", {"model": "no-such-model"}),
+    ("context", {"max_tokens": 10**9}),
+    ("stop-too-long", {"stop": ["x" * 10_000]}),
+    ("top-p", {"top_p": 0}),
+    ("logit-bias", {"logit_bias": {"-3": 1}}),
+]
+
+
+@dataclass
+class Tally:
+    """What the clients saw, by kind of request."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # each one a failed check, with what was seen
+    streams_ok: int = 0
+    streams_clean_error: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    rejected_429: int = 0
+    bursts: int = 0
+    completion_tokens: int = 0
+
+    def count(self, kind: str, res: Result) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + 1
+        key = str(res.status) if res.status is not None else "none"
+        self.statuses[key] = self.statuses.get(key, 0) + 1
+        self.rejected_429 += res.status == 429
+        self.completion_tokens += res.completion_tokens or 0
+
+    def fail(self, message: str) -> None:
+        if len(self.failures) < 50:
+            self.failures.append(message)
+
+
+def openai_error(text: str) -> bool:
+    try:
+        error = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        base = args.url.rstrip("/").removesuffix("/v1")
+        self.base = base
+        self.url = base + "/v1/chat/completions"
+        self.rng = random.Random(args.seed)
+        self.tally = Tally()
+        self.rss: list[tuple[float, int]] = []  # (seconds since start, bytes)
+        self.prompts = [build_prompt(self.rng.choice((16, 64, 200)), args.seed + i) for i in range(64)]
+
+    def body(self, stream: bool, max_tokens: int) -> dict:
+        body = {"model": self.args.model, "stream": stream, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": self.rng.choice(self.prompts)}],
+                "temperature": self.rng.choice((0, 0.7, 1.0))}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def one(self, client: httpx.AsyncClient, kind: str) -> None:
+        rng, t = self.rng, self.tally
+        if kind == "bad":
+            name, bad = rng.choice(BAD_BODIES)
+            body = bad if isinstance(bad, bytes) else {**self.body(False, 8), **bad}
+            res = await _one_request(client, self.url, body, stream=False)
+            t.count(kind, res)
+            if res.status is None or not 400 <= res.status < 500:
+                t.fail(f"bad request {name}: expected a 4xx, got {res.status} ({res.error})")
+            elif not openai_error(res.error_body or ""):
+                t.fail(f"bad request {name}: {res.status} without OpenAI error JSON: {res.error_body!r:.200}")
+            return
+        if kind == "cancel":  # the client goes away mid-stream: the server must free the request at once
+            task = asyncio.ensure_future(_one_request(client, self.url, self.body(True, 256), stream=True))
+            done, _ = await asyncio.wait([task], timeout=rng.uniform(0.2, 3.0))
+            if not done:
+                task.cancel()
+                t.cancelled += 1
+                t.sent[kind] = t.sent.get(kind, 0) + 1
+                return
+            res = task.result()
+            t.count(kind, res)
+            self.check_stream(kind, res)
+            return
+        if kind == "timeout":  # an impatient client: its read times out while the server still generates
+            res = await _one_request(client, self.url, self.body(False, 256), stream=False,
+                                     timeout=rng.uniform(0.2, 1.5))
+            t.count(kind, res)
+            if res.status is None:
+                t.timed_out += 1
+            else:
+                self.check_status(kind, res)
+            return
+        stream = kind == "stream"
+        res = await _one_request(client, self.url, self.body(stream, rng.choice((8, 32, 96))), stream=stream)
+        t.count(kind, res)
+        if stream:
+            self.check_stream(kind, res)
+        else:
+            self.check_status(kind, res)
+
+    def check_status(self, kind: str, res: Result) -> None:
+        if res.status is None:
+            self.tally.fail(f"{kind}: no response: {res.error}")
+        elif res.status >= 500:
+            self.tally.fail(f"{kind}: HTTP {res.status}: {res.error}")
+        elif res.status >= 400 and not openai_error(res.error_body or ""):
+            self.tally.fail(f"{kind}: {res.status} without OpenAI error JSON: {res.error_body!r:.200}")
+
+    def check_stream(self, kind: str, res: Result) -> None:
+        self.check_status(kind, res)
+        if res.status == 200:
+            if res.done and res.error is None:
+                self.tally.streams_ok += 1
+            elif res.error is not None and res.error.startswith("SSE error"):
+                self.tally.streams_clean_error += 1  # an error event: clean, if not what we hoped for
+            else:
+                self.tally.fail(f"{kind}: stream ended without [DONE] or an error event: {res.error}")
+        elif res.status is not None and 400 <= res.status < 500:
+            self.tally.streams_clean_error += 1
+
+    async def burst(self, client: httpx.AsyncClient) -> None:
+        """More requests at once than the server admits and queues: the rest must get 429, not errors. Short
+        answers, so that a burst does not hold the server for minutes."""
+        self.tally.bursts += 1
+
+        async def short(stream: bool) -> None:
+            res = await _one_request(client, self.url, self.body(stream, 4), stream=stream)
+            self.tally.count("burst", res)
+            (self.check_stream if stream else self.check_status)("burst", res)
+
+        await asyncio.gather(*(short(i % 2 == 0) for i in range(self.args.burst)))
+
+    async def worker(self, client: httpx.AsyncClient, deadline: float) -> None:
+        kinds, weights = zip(*MIX)
+        while time.monotonic() < deadline:
+            kind = self.rng.choices(kinds, weights)[0]
+            try:
+                await (self.burst(client) if kind == "burst" else self.one(client, kind))
+            except Exception as err:  # noqa: BLE001 - a soak reports what broke and goes on
+                self.tally.fail(f"{kind}: client error {type(err).__name__}: {err}")
+
+    async def sample_rss(self, client: httpx.AsyncClient, started: float, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            rss = await self.read_rss(client)
+            if rss is not None:
+                self.rss.append((time.monotonic() - started, rss))
+            await asyncio.sleep(min(RSS_SAMPLE_S, max(0.1, deadline - time.monotonic())))
+
+    async def read_rss(self, client: httpx.AsyncClient) -> int | None:
+        if self.args.server_pid:
+            for line in Path(f"/proc/{self.args.server_pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return (await self.metrics(client)).get("process_resident_memory_bytes")
+
+    async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
+        """/metrics as {name or name{labels}: value}."""
+        text = (await client.get(self.base + "/metrics", timeout=10)).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    async def run(self) -> dict:
+        args = self.args
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+            before = await self.metrics(client)
+            started = time.monotonic()
+            deadline = started + args.minutes * 60
+            await asyncio.gather(self.sample_rss(client, started, deadline),
+                                 *(self.worker(client, deadline) for _ in range(args.concurrency)))
+            load_s = time.monotonic() - started
+            settled, after = await self.settle(client)
+            self.rss.append((time.monotonic() - started, await self.read_rss(client) or 0))
+        return self.report(before, after, settled, load_s)
+
+    async def settle(self, client: httpx.AsyncClient) -> tuple[float | None, dict[str, float]]:
+        """Seconds until nothing is active, queued or held in the KV cache (None: never within SETTLE_S)."""
+        started = time.monotonic()
+        while True:
+            after = await self.metrics(client)
+            if all(after.get(name, 0) == 0 for name in IDLE_GAUGES):
+                return time.monotonic() - started, after
+            if time.monotonic() - started > SETTLE_S:
+                return None, after
+            await asyncio.sleep(0.2)
+
+    def report(self, before: dict[str, float], after: dict[str, float], settled: float | None,
+               load_s: float) -> dict:
+        t = self.tally
+        server_5xx = sum(v - before.get(k, 0) for k, v in after.items()
+                         if k.startswith("simple_serve_requests_total{") and 'status="5' in k)
+        rss = self.rss_growth()
+        gauges = {name: after.get(name) for name in IDLE_GAUGES}
+        checks = {
+            "no 5xx seen by clients": not any(s.startswith("5") for s in t.statuses),
+            "no 5xx counted by the server": server_5xx == 0,
+            "streams ended with [DONE] or a clean error, 4xx bodies are OpenAI errors": not t.failures,
+            "bursts past the queue cap got 429": t.rejected_429 > 0 or not t.bursts,
+            f"RSS grew < {RSS_GROWTH_LIMIT:.0%} from {rss['from_s']:.0f} s to the end":
+                rss["growth"] is not None and rss["growth"] < RSS_GROWTH_LIMIT,
+            "active, queued and KV bytes back to 0": settled is not None,
+        }
+        return {"config": {k: v for k, v in vars(self.args).items() if k != "func"}, "load_s": load_s,
+                "requests": t.sent, "statuses": t.statuses, "streams_ok": t.streams_ok,
+                "streams_clean_error": t.streams_clean_error, "cancelled_mid_stream": t.cancelled,
+                "client_timeouts": t.timed_out, "rejected_429": t.rejected_429, "bursts": t.bursts,
+                "completion_tokens": t.completion_tokens, "server_5xx": server_5xx, "rss": rss,
+                "idle_gauges_after": gauges, "kv_gauge_exposed": KV_GAUGE in after,
+                "settled_s": settled, "failures": t.failures, "checks": checks, "ok": all(checks.values())}
+
+    def rss_growth(self) -> dict:
+        if not self.rss:
+            return {"from_s": 0.0, "start_bytes": None, "end_bytes": None, "growth": None}
+        total = self.rss[-1][0]
+        baseline_at = min(120.0, 0.2 * total)  # minute 2, or a fifth of a short run
+        start = next(((s, b) for s, b in self.rss if s >= baseline_at), self.rss[0])
+        end = self.rss[-1][1]
+        return {"from_s": start[0], "start_bytes": start[1], "end_bytes": end,
+                "peak_bytes": max(b for _, b in self.rss), "growth": (end - start[1]) / start[1] if start[1] else None,
+                "samples": len(self.rss)}
+
+
+KV_GAUGE = "simple_serve_kv_cache_used_bytes"
+IDLE_GAUGES = ("simple_serve_active_sequences", "simple_serve_queue_depth", KV_GAUGE)
+
+
+def print_report(r: dict) -> None:
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    rss = r["rss"]
+    print(f"\nbench soak: {r['config']['model']} @ {r['config']['url']}  {r['load_s'] / 60:.1f} min, "
+          f"concurrency {r['config']['concurrency']}, bursts of {r['config']['burst']}")
+    print(f"  requests by kind      {r['requests']}")
+    print(f"  HTTP statuses         {r['statuses']}")
+    print(f"  streams               {r['streams_ok']} ended with [DONE], {r['streams_clean_error']} with a clean "
+          f"error; {r['cancelled_mid_stream']} cancelled mid-stream, {r['client_timeouts']} client timeouts")
+    print(f"  429s                  {r['rejected_429']} in {r['bursts']} bursts    "
+          f"completion tokens {r['completion_tokens']}")
+    growth = "-" if rss["growth"] is None else f"{rss['growth']:+.2%}"
+    print(f"  RSS                   {mib(rss['start_bytes'])} at {rss['from_s']:.0f} s -> {mib(rss['end_bytes'])} "
+          f"at the end ({growth}; peak {mib(rss.get('peak_bytes'))})")
+    kv = "" if r["kv_gauge_exposed"] else f" ({KV_GAUGE} not exposed by this server: not checked)"
+    settled = "never" if r["settled_s"] is None else f"{r['settled_s']:.1f} s"
+    print(f"  after the load        {r['idle_gauges_after']}, settled in {settled}{kv}")
+    for name, ok in r["checks"].items():
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    for failure in r["failures"][:10]:
+        print(f"  failure: {failure}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)")
+    parser.add_argument("--model", required=True, help="model id sent in the request body")
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long to keep the load on")
+    parser.add_argument("--concurrency", type=int, default=8, help="workers sending requests one after another")
+    parser.add_argument("--burst", type=int, default=96, help="requests sent at once in a burst (past the queue cap)")
+    parser.add_argument("--server-pid", type=int, default=None, help="read the server's RSS from /proc/PID")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout of patient clients, s")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON path (default bench-results/soak-<timestamp>.json)")
+
+
+def run(args) -> int:
+    result = asyncio.run(Soak(args).run())
+    out = Path(args.out or f"bench-results/soak-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    print_report(result)
+    print(f"  wrote {out}")
+    return 0 if result["ok"] else 1

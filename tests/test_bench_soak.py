@@ -1,0 +1,52 @@
+"""`python -m app bench soak` for a few seconds against the tiny model: the mixed load runs, every check passes on
+a healthy server, and a server that answers 500s makes it fail."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from app.bench import soak
+
+
+def soak_args(url: str, tmp_path, **overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    args = parser.parse_args(["--url", url, "--model", "tiny", "--minutes", "0.1", "--concurrency", "4",
+                              "--burst", "24", "--out", str(tmp_path / "soak.json")])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.fixture
+def fast_mix(monkeypatch):
+    # in a few seconds, every kind of request should come up: make bursts as likely as the rest
+    monkeypatch.setattr(soak, "MIX", tuple((kind, 1) for kind, _ in soak.MIX))
+
+
+def test_soak_passes_on_a_healthy_server(make_tiny_server, tmp_path, fast_mix, capsys):
+    server = make_tiny_server(max_active=2, max_queue=4)  # a burst of 24 must overflow 6 places
+    assert soak.run(soak_args(server.url, tmp_path)) == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["ok"] and all(report["checks"].values())
+    assert set(report["requests"]) >= {"stream", "non_stream", "bad", "burst"}
+    assert report["streams_ok"] > 0 and report["rejected_429"] > 0 and report["server_5xx"] == 0
+    assert report["kv_gauge_exposed"] is not None and report["rss"]["samples"] >= 2
+    assert report["idle_gauges_after"]["simple_serve_active_sequences"] == 0
+    assert "[ok] no 5xx seen by clients" in capsys.readouterr().out
+
+
+def test_soak_fails_when_the_server_answers_500(make_tiny_server, tmp_path, fast_mix, monkeypatch):
+    import app.core.engine as engine_module
+
+    def broken(*_):
+        raise RuntimeError("simulated kernel failure")
+
+    server = make_tiny_server()
+    monkeypatch.setattr(engine_module, "forward_many", broken)
+    assert soak.run(soak_args(server.url, tmp_path, minutes=0.03)) == 1
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert not report["checks"]["no 5xx seen by clients"] and report["server_5xx"] > 0
