@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--model-cache", "--quant"):
         serve.add_argument(flag)
     for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes",
-                 "--prefill-tokens-per-step"):
+                 "--default-max-tokens", "--prefill-tokens-per-step"):
         serve.add_argument(flag, type=int)
     serve.add_argument("--kv-cache-bytes", help="KV cache budget, e.g. 8GiB (default: from free memory)")
     serve.add_argument("--shutdown-grace-s", type=float)
