@@ -33,6 +33,7 @@ from app.bench.serve import Result, _one_request, build_prompt
 RSS_GROWTH_LIMIT = 0.05
 RSS_SAMPLE_S = 5.0
 SETTLE_S = 30.0  # how long the server may take to free everything after the load stops
+END_GRACE_S = 60.0  # how long requests running at the deadline may still take
 # (kind, weight): the mix each worker draws from
 MIX = (("stream", 40), ("non_stream", 22), ("cancel", 12), ("timeout", 6), ("bad", 15), ("burst", 5))
 BAD_BODIES: list[tuple[str, dict | bytes]] = [
@@ -59,6 +60,7 @@ class Tally:
     timed_out: int = 0
     rejected_429: int = 0
     bursts: int = 0
+    cut_at_end: int = 0  # workers whose request was still running END_GRACE_S after the deadline
     completion_tokens: int = 0
 
     def count(self, kind: str, res: Result) -> None:
@@ -213,8 +215,15 @@ class Soak:
             before = await self.metrics(client)
             started = time.monotonic()
             deadline = started + args.minutes * 60
-            await asyncio.gather(self.sample_rss(client, started, deadline),
-                                 *(self.worker(client, deadline) for _ in range(args.concurrency)))
+            workers = [asyncio.ensure_future(self.worker(client, deadline)) for _ in range(args.concurrency)]
+            await self.sample_rss(client, started, deadline)
+            # requests still running at the deadline get END_GRACE_S to finish; the rest are cut (the client
+            # leaves, as a cancel does), so --minutes bounds the run even on a server that has fallen far behind
+            _, late = await asyncio.wait(workers, timeout=END_GRACE_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            self.tally.cut_at_end = len(late)
             load_s = time.monotonic() - started
             settled, after = await self.settle(client)
             self.rss.append((time.monotonic() - started, await self.read_rss(client) or 0))
@@ -251,6 +260,7 @@ class Soak:
                 "requests": t.sent, "statuses": t.statuses, "streams_ok": t.streams_ok,
                 "streams_clean_error": t.streams_clean_error, "cancelled_mid_stream": t.cancelled,
                 "client_timeouts": t.timed_out, "rejected_429": t.rejected_429, "bursts": t.bursts,
+                "cut_at_end": t.cut_at_end,
                 "completion_tokens": t.completion_tokens, "server_5xx": server_5xx, "rss": rss,
                 "idle_gauges_after": gauges, "kv_gauge_exposed": KV_GAUGE in after,
                 "settled_s": settled, "failures": t.failures, "checks": checks, "ok": all(checks.values())}
@@ -279,7 +289,8 @@ def print_report(r: dict) -> None:
     print(f"  requests by kind      {r['requests']}")
     print(f"  HTTP statuses         {r['statuses']}")
     print(f"  streams               {r['streams_ok']} ended with [DONE], {r['streams_clean_error']} with a clean "
-          f"error; {r['cancelled_mid_stream']} cancelled mid-stream, {r['client_timeouts']} client timeouts")
+          f"error; {r['cancelled_mid_stream']} cancelled mid-stream, {r['client_timeouts']} client timeouts, "
+          f"{r['cut_at_end']} workers' requests cut {END_GRACE_S:.0f} s after the end")
     print(f"  429s                  {r['rejected_429']} in {r['bursts']} bursts    "
           f"completion tokens {r['completion_tokens']}")
     growth = "-" if rss["growth"] is None else f"{rss['growth']:+.2%}"
