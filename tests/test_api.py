@@ -560,7 +560,7 @@ def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_se
     import app.core.engine as engine_module
 
     real = engine_module.forward_many
-    monkeypatch.setattr(engine_module, "forward_many", lambda m, w: (time.sleep(0.02), real(m, w))[1])
+    monkeypatch.setattr(engine_module, "forward_many", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
     server = make_tiny_server()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + CHAT, json=chat_body(max_tokens=200), timeout=0.5)
