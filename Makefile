@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium serve test test-avx2 test-fast screenshot bench bench-compare bench-quality gpu-check clean
+.PHONY: setup models chromium serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -61,6 +61,10 @@ bench-compare: setup
 # Perplexity and greedy agreement of bf16 and QUANT=int8 against fp32 (app/bench/quality.py): a few minutes.
 bench-quality: setup
 	$(PY) -m app bench quality
+
+# What the prefix cache and n-gram speculation buy, through HTTP, each on and off (app/bench/shortcuts.py).
+bench-shortcuts: setup
+	$(PY) -m app bench shortcuts
 
 # On a CUDA machine, < 10 minutes: GPU-marked tests, bench generate, bench serve, a summary. Stops at once without CUDA.
 gpu-check: setup

@@ -40,13 +40,13 @@ def test_soak_passes_on_a_healthy_server(make_tiny_server, tmp_path, fast_mix, c
 
 
 def test_soak_fails_when_the_server_answers_500(make_tiny_server, tmp_path, fast_mix, monkeypatch):
-    import app.core.engine as engine_module
+    import app.core.step as step_module
 
     def broken(*_):
         raise RuntimeError("simulated kernel failure")
 
     server = make_tiny_server()
-    monkeypatch.setattr(engine_module, "forward_many", broken)
+    monkeypatch.setattr(step_module, "forward_many", broken)
     assert soak.run(soak_args(server.url, tmp_path, minutes=0.03)) == 1
     report = json.loads((tmp_path / "soak.json").read_text())
     assert not report["checks"]["no 5xx seen by clients"] and report["server_5xx"] > 0

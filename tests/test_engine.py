@@ -131,9 +131,9 @@ def test_prompts_longer_than_a_chunk_in_both_modes(tiny_lm, packed):
 def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatch):
     """One request per pass: a kernel error in request A's pass fails A with a clean error; B, in its own
     passes, streams on; the engine serves the next request; A's reservation and cache are gone."""
-    import app.core.engine as engine_module
+    import app.core.step as step_module
 
-    real_prefill = engine_module.prefill
+    real_prefill = step_module.prefill
     poisoned = tiny_lm.encode_text("poisoned prompt")
 
     def failing_prefill(model, seq, chunk_size=None):
@@ -141,7 +141,7 @@ def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatc
             raise RuntimeError("simulated kernel error")
         return real_prefill(model, seq, chunk_size)
 
-    monkeypatch.setattr(engine_module, "prefill", failing_prefill)
+    monkeypatch.setattr(step_module, "prefill", failing_prefill)
     ok = tiny_lm.encode_text("a healthy prompt")
 
     async def scenario(engine):
@@ -162,9 +162,9 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
     """An OOM raised half way through a packed pass (after layer 0 and layer 1's attention have written this step's
     keys and values) is undone and the rows retried in halves: every request still gets exactly its solo tokens.
     A row that runs out of memory alone fails, with a clean error, and the others carry on."""
-    import app.core.engine as engine_module
+    import app.core.step as step_module
 
-    real_forward, rows_now, ooms = engine_module.forward_many, {"n": 0}, []
+    real_forward, rows_now, ooms = step_module.forward_many, {"n": 0}, []
     poisoned = tiny_lm.encode_text("this one never fits")
 
     def forward(model, work, *n_out):
@@ -177,7 +177,7 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
             ooms.append(rows_now["n"])
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(engine_module, "forward_many", forward)
+    monkeypatch.setattr(step_module, "forward_many", forward)
     hook = tiny_lm.model.model.layers[1].mlp.register_forward_pre_hook(mlp_hook)
     prompts = long_prompts(tiny_lm, 4) + [poisoned]
     params = greedy(8)

@@ -248,10 +248,10 @@ def test_clear_400s(tiny, extra, param):
 
 
 def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
-    import app.core.engine as engine_module
+    import app.core.step as step_module
 
     calls = {"n": 0}
-    real = engine_module.forward_many
+    real = step_module.forward_many
 
     def flaky(model, work, *n_out):
         calls["n"] += 1
@@ -259,7 +259,7 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
             raise RuntimeError("simulated device failure")
         return real(model, work, *n_out)
 
-    monkeypatch.setattr(engine_module, "forward_many", flaky)
+    monkeypatch.setattr(step_module, "forward_many", flaky)
     stream = events(tiny, input="hi", max_output_tokens=10, ignore_eos=True)
     assert stream[-1][0] == "[DONE]"
     name, error = stream[-2]

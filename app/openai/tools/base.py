@@ -6,7 +6,7 @@ import json
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -48,9 +48,9 @@ def call_from_json(obj: Any, tool_names: frozenset[str]) -> tuple[str, str] | No
 
 
 
-def value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array starting at text[start] ends (exclusive), or None if it is not complete yet."""
-    depth, in_string, escaped = 0, False, False
+def outside_strings(text: str, start: int = 0) -> Iterator[tuple[int, str]]:
+    """Each (index, character) of text[start:] that is neither inside a JSON string nor one of its quotes."""
+    in_string, escaped = False, False
     for i in range(start, len(text)):
         ch = text[i]
         if in_string:
@@ -62,7 +62,15 @@ def value_end(text: str, start: int) -> int | None:
                 in_string = False
         elif ch == '"':
             in_string = True
-        elif ch in "{[":
+        else:
+            yield i, ch
+
+
+def value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at text[start] ends (exclusive), or None if it is not complete yet."""
+    depth = 0
+    for i, ch in outside_strings(text, start):
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
@@ -73,20 +81,7 @@ def value_end(text: str, start: int) -> int | None:
 
 def find_outside_strings(text: str, needle: str) -> int:
     """The first `needle` in `text` that is not inside a JSON string, or -1."""
-    in_string, escaped = False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif text.startswith(needle, i):
-            return i
-    return -1
+    return next((i for i, _ in outside_strings(text) if text.startswith(needle, i)), -1)
 
 
 class ToolCallParser:

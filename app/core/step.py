@@ -1,0 +1,181 @@
+"""One engine step: what runs together, the forward passes that run it, and the token events they yield.
+
+The Engine (app/core/engine.py) owns the requests: its queue, its admission against the KV budget, and the worker
+thread. Each step it hands `StepRunner.run_step` the admitted requests; the runner feeds every one of them (the
+next prefill chunk of a new request, or the newest token of a running one) and tells the engine, through three
+hooks, when a request's sequence starts, when it yields a token, and when it fails.
+
+Every step first prefills newly admitted requests (in chunks, a bounded number of prompt tokens per step), then
+advances every running request by one token in a single batched forward pass. A long generation therefore never
+holds back another request's first token by more than one step, and N streams cost about one weight read per step
+instead of N. `run_step` is the only place that decides what runs together.
+
+Two shortcuts, both leaving the tokens as they would be without them: a new request starts from the cached KV of
+the longest prefix of its prompt seen before (app/core/prefix_cache.py), and a running request may feed n-gram
+drafts after its newest token, so one step can emit several of its tokens (app/core/speculative.py).
+
+A forward pass that raises fails only that pass's requests; after an out-of-memory error, its rows are first
+rolled back and retried in smaller groups (app/core/faults.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from app.core.faults import cache_lengths, is_out_of_memory, release_cached_memory, roll_back
+from app.core.generate import Sequence, TokenEvent, choose_many, decode_step, forward_many, prefill
+from app.core.handle import RequestHandle
+from app.core.kv_budget import KVBudget
+from app.core.prefix_cache import PrefixCache
+from app.core.speculative import NgramDrafter, accept_drafts
+from app.metrics import Metrics
+from app.models.loading import LoadedModel
+
+log = logging.getLogger("app.core.engine")  # the engine's own log: one name for operators to follow
+Work = tuple[RequestHandle, Sequence, int, list[int]]  # a request, the tokens it feeds this step, its drafts
+
+
+def default_prefill_tokens_per_step(device: torch.device) -> int:
+    """How many prompt tokens one engine step may prefill.
+
+    A CPU prefill is compute-bound: 1,500 prompt tokens took 2.3 s here in chunks of 128, 256, 512 or in one
+    piece, so small chunks cost nothing and let a burst of new requests take turns. In a burst of 8 ~125-token
+    prompts, 128 per step gave a median time to first token of 358 ms against 609 ms with 512, at the same
+    tokens/s. A GPU step is mostly fixed cost, so it takes far more per step (vLLM's chunked-prefill default;
+    not measured here, where there is no GPU).
+    """
+    return 128 if device.type == "cpu" else 2048
+
+
+@dataclass
+class StepRunner:
+    """Runs the engine's steps. It keeps no request between steps: each step's batch comes from the engine."""
+
+    lm: LoadedModel
+    metrics: Metrics
+    kv_budget: KVBudget  # read only, for the reserved-bytes gauge after the prefix cache grows
+    prefix_cache: PrefixCache | None  # None: off
+    speculative: bool  # running requests feed n-gram drafts
+    batch_decode: bool  # all of a step's work in one packed pass; False: one request per pass
+    prefill_tokens_per_step: int
+    sampling_pool: ThreadPoolExecutor | None  # CPU only: sampled rows side by side (see choose_many)
+    # The engine's hooks, called on the worker thread:
+    started: Callable[[RequestHandle, Sequence], None]  # a new request's sequence exists (its prefill begins)
+    emit: Callable[[RequestHandle, TokenEvent], None]  # a token for the caller; the last one has a finish_reason
+    fail: Callable[[list[RequestHandle], Exception], None]  # these requests end with a clean error
+
+    def run_step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
+        """One engine step: the next prefill chunk of new requests (at most `prefill_tokens_per_step` prompt tokens,
+        so a long prompt never stalls running streams for long) and one token for every running request, all in
+        one forward pass when the model allows it."""
+        model, budget, work = self.lm.model, self.prefill_tokens_per_step, []
+        for handle, seq in batch:
+            if handle.cancelled.is_set():
+                continue  # dropped at the next step's start
+            if seq is None:
+                try:
+                    seq = Sequence(model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
+                                   self.lm.max_context)
+                except Exception as err:  # noqa: BLE001
+                    self.fail([handle], err)
+                    continue
+                self._reuse_prefix(handle, seq)
+                if self.speculative:
+                    seq.drafter = NgramDrafter()
+                self.started(handle, seq)
+            drafts: list[int] = []
+            if seq.prefilling:
+                n = min(budget, seq.prompt_len - seq.cache.get_seq_length())
+                if n <= 0:
+                    continue  # this step's prefill budget is spent; its turn comes next step
+                budget -= n
+            else:
+                drafts = seq.drafter.propose(seq) if seq.drafter else []
+                n = 1 + len(drafts)  # the newest token, then any drafts to verify
+            work.append((handle, seq, n, drafts))
+        groups = [work] if self.batch_decode and work else [[entry] for entry in work]
+        for group in groups:
+            for handle, seq, event in self._run_pass(group):
+                self.emit(handle, event)
+                if event.finish_reason:  # a later turn of this conversation starts with all of it
+                    self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
+
+    def _run_pass(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
+        """One forward pass and the tokens it yields. If it fails, only its requests fail; after an out-of-memory
+        error, its rows are first rolled back and retried in two halves, down to one row, before failing."""
+        before = [(seq.length, cache_lengths(seq.cache)) for _, seq, *_ in group]
+        try:
+            return self._forward_and_choose(group)
+        except Exception as err:  # noqa: BLE001 - one pass failing must not stop the engine
+            if not is_out_of_memory(err) or len(group) == 1:
+                self.fail([handle for handle, *_ in group], err)
+                return []
+            log.warning("out of memory in a pass of %d rows; retrying them in smaller groups", len(group))
+            release_cached_memory(self.lm.device)
+            retry, lost = [], []
+            for entry, (length, lengths) in zip(group, before):
+                seq = entry[1]
+                (retry if seq.length == length and roll_back(seq.cache, lengths) else lost).append(entry)
+            self.fail([handle for handle, *_ in lost], err)
+            half = (len(retry) + 1) // 2
+            return self._run_pass(retry[:half]) + self._run_pass(retry[half:]) if retry else []
+
+    def _forward_and_choose(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
+        """One forward pass and the step's tokens. Its logits have one row per request, or 1 + k for a request
+        verifying k drafts; single rows are chosen together, drafts are checked request by request."""
+        logits = self._forward(group)
+        singles, single_rows, events, row, prompts_done = [], [], [], 0, 0
+        for handle, seq, n, drafts in group:
+            rows, row = slice(row, row + 1 + len(drafts)), row + 1 + len(drafts)
+            if seq.prefilling:
+                continue  # a prefill chunk that was not the prompt's last: no token yet
+            if seq.n_generated == 0:
+                prompts_done += seq.prompt_len
+                self._remember(handle.prompt_ids, seq)
+            if drafts:
+                verified, accepted = accept_drafts(seq, logits[rows], drafts)
+                self.metrics.draft_tokens.inc(len(drafts))
+                self.metrics.accepted_tokens.inc(accepted)
+                events += [(handle, seq, event) for event in verified]
+            else:
+                singles.append((handle, seq))
+                single_rows.append(rows.start)
+        if not singles:
+            return events
+        if len(single_rows) < logits.shape[0]:
+            logits = logits[single_rows]  # only the rows still to choose: choose_many takes [B, vocab]
+        chosen = choose_many([seq for _, seq in singles], logits, self.sampling_pool)
+        self.metrics.prompt_tokens.inc(prompts_done)  # once chosen: a pass retried after an OOM counts once
+        return events + [(handle, seq, event) for (handle, seq), event in zip(singles, chosen)]
+
+    def _forward(self, group: list[Work]) -> torch.Tensor | None:
+        """Logits at each row's last fed position, or its last 1 + k to verify k drafts (None: one request's
+        non-last chunk)."""
+        if self.batch_decode:
+            return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
+                                [1 + len(drafts) for *_, drafts in group])
+        (_, seq, n, _), = group  # models without packed attention: one request per pass
+        return decode_step(self.lm.model, seq) if not seq.prefilling else prefill(self.lm.model, seq, n)
+
+    def _reuse_prefix(self, handle: RequestHandle, seq: Sequence) -> None:
+        """Start a new request from the cached KV of the longest cached prefix of its prompt, if any."""
+        if self.prefix_cache is None:
+            return
+        self.metrics.prefix_cache_queried.inc(seq.prompt_len)
+        blocks = self.prefix_cache.match(handle.prompt_ids)
+        if blocks:
+            seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
+            handle.cached_tokens = seq.cache.get_seq_length()
+            self.metrics.prefix_cache_hits.inc(handle.cached_tokens)
+
+    def _remember(self, token_ids: list[int], seq: Sequence) -> None:
+        """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(token_ids, seq.cache)
+            self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
+
