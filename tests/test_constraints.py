@@ -150,3 +150,31 @@ def test_grammar_with_a_padded_model_vocab_generates(tiny_tokenizer):
     text, events = run(lm, grammars.json_schema(SCHEMA), temperature=0, max_tokens=120)
     assert json.loads(text)["color"] in ("red", "green")
     assert all(e.token_id < len(tiny_tokenizer) for e in events)
+
+
+def test_allows_reads_the_same_bits_as_the_mask(tiny_lm, grammars):
+    matcher = grammars.json_schema(SCHEMA).matcher()
+    for prefix in ("", '{"ok": tr', '{"ok": true, "color": "'):
+        matcher = grammars.json_schema(SCHEMA).matcher()
+        assert prefix == "" or matcher.matcher.accept_string(prefix)
+        masked = matcher.mask(torch.zeros(1, tiny_lm.vocab_size))[0]
+        allowed = [matcher.allows(t) for t in range(tiny_lm.vocab_size)]
+        assert allowed == (masked > -torch.inf).tolist() and 0 < sum(allowed) < tiny_lm.vocab_size
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_greedy_check_first_gives_the_tokens_of_the_full_mask(tiny_lm, grammars, monkeypatch, penalty):
+    from app.core.constraints import GrammarMatcher
+
+    grammar = grammars.json_schema(SCHEMA)
+    # a bias toward one valid document's tokens, so the random model's best token is sometimes allowed
+    bias = {t: 20.0 for t in tiny_lm.tokenizer.encode('{"ok": true, "color": "red", "n": 1}')}
+    params = dict(temperature=0, max_tokens=120, repetition_penalty=penalty, logit_bias=bias)
+    seen = []
+    allows = GrammarMatcher.allows
+    monkeypatch.setattr(GrammarMatcher, "allows", lambda self, t: seen.append(allows(self, t)) or seen[-1])
+    fast = [e.token_id for e in run(tiny_lm, grammar, **params)[1]]
+    assert True in seen and False in seen  # the model's choice stood at some steps and was refused at others
+    monkeypatch.setattr(Sequence, "_cheap_greedy_check", lambda self, logits: False)
+    full = [e.token_id for e in run(tiny_lm, grammar, **params)[1]]
+    assert fast == full and len(fast) > 5
