@@ -50,3 +50,13 @@ def test_soak_fails_when_the_server_answers_500(make_tiny_server, tmp_path, fast
     assert soak.run(soak_args(server.url, tmp_path, minutes=0.03)) == 1
     report = json.loads((tmp_path / "soak.json").read_text())
     assert not report["checks"]["no 5xx seen by clients"] and report["server_5xx"] > 0
+
+
+def test_rss_growth_leaves_out_what_the_prefix_cache_holds(tmp_path):
+    s = soak.Soak(soak_args("http://x", tmp_path))
+    mib = 2**20
+    # (seconds, RSS, prefix cache bytes): RSS +100 MiB from minute 2, of which the cache filling is 90 MiB
+    s.rss = [(0.0, 900 * mib, 0), (120.0, 1000 * mib, 10 * mib), (600.0, 1100 * mib, 100 * mib)]
+    growth = s.rss_growth()
+    assert growth["from_s"] == 120.0 and growth["raw_growth"] == pytest.approx(0.10)
+    assert growth["growth"] == pytest.approx((1000 - 990) / 990)

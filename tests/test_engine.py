@@ -337,3 +337,22 @@ def test_smollm_long_prompt_in_both_modes_equals_generate(smollm_fp32, packed):
         hf = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
     assert got == hf[0, len(ids):].tolist()
+
+
+def test_idle_engine_gives_freed_heap_back_between_bursts_only(tiny_lm, monkeypatch):
+    """Once at start and once each time the work runs out, never between the steps of a busy engine."""
+    import app.core.engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "release_free_heap", lambda: trims.append(1))
+
+    async def scenario(engine):
+        await asyncio.sleep(0.2)
+        at_start = len(trims)
+        tokens = await outcome(engine.submit(tiny_lm.encode_text("hello"), greedy(20)))
+        await asyncio.sleep(0.2)
+        return at_start, len(tokens), len(trims)
+
+    at_start, n_tokens, total = run_engine(lambda: Engine(tiny_lm), scenario)
+    assert at_start == 1 and n_tokens == 20 and total == 2
+

@@ -12,7 +12,9 @@ Checks (the exit status is 1 when one fails):
   4xx/429 before it began);
 - every 4xx body is OpenAI's error JSON;
 - the server's RSS grew by less than 5% between minute 2 (or 20% of a shorter run) and the end: from /proc with
-  --server-pid, else from /metrics' process_resident_memory_bytes;
+  --server-pid, else from /metrics' process_resident_memory_bytes. The bytes the prefix cache holds at each sample
+  (/metrics' simple_serve_prefix_cache_bytes) are taken out first: that cache fills by design, up to its own bound
+  PREFIX_CACHE_BYTES, so its growth is not a leak. The raw RSS is reported too;
 - once the load stops, active sequences, queued requests and KV cache bytes in use go back to 0 (from /metrics).
 """
 
@@ -91,7 +93,7 @@ class Soak:
         self.url = base + "/v1/chat/completions"
         self.rng = random.Random(args.seed)
         self.tally = Tally()
-        self.rss: list[tuple[float, int]] = []  # (seconds since start, bytes)
+        self.rss: list[tuple[float, int, int]] = []  # (seconds since start, RSS bytes, prefix cache bytes)
         self.prompts = [build_prompt(self.rng.choice((16, 64, 200)), args.seed + i) for i in range(64)]
 
     def body(self, stream: bool, max_tokens: int) -> dict:
@@ -186,17 +188,21 @@ class Soak:
 
     async def sample_rss(self, client: httpx.AsyncClient, started: float, deadline: float) -> None:
         while time.monotonic() < deadline:
-            rss = await self.read_rss(client)
-            if rss is not None:
-                self.rss.append((time.monotonic() - started, rss))
+            sample = await self.read_rss(client)
+            if sample is not None:
+                self.rss.append((time.monotonic() - started, *sample))
             await asyncio.sleep(min(RSS_SAMPLE_S, max(0.1, deadline - time.monotonic())))
 
-    async def read_rss(self, client: httpx.AsyncClient) -> int | None:
+    async def read_rss(self, client: httpx.AsyncClient) -> tuple[int, int] | None:
+        """(the server's RSS, the bytes its prefix cache holds), or None when the RSS is not to be had."""
+        metrics = await self.metrics(client)
+        cached = int(metrics.get(PREFIX_GAUGE, 0))
         if self.args.server_pid:
             for line in Path(f"/proc/{self.args.server_pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return (await self.metrics(client)).get("process_resident_memory_bytes")
+                    return int(line.split()[1]) * 1024, cached
+        rss = metrics.get("process_resident_memory_bytes")
+        return None if rss is None else (int(rss), cached)
 
     async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
         """/metrics as {name or name{labels}: value}."""
@@ -226,7 +232,7 @@ class Soak:
             self.tally.cut_at_end = len(late)
             load_s = time.monotonic() - started
             settled, after = await self.settle(client)
-            self.rss.append((time.monotonic() - started, await self.read_rss(client) or 0))
+            self.rss.append((time.monotonic() - started, *(await self.read_rss(client) or (0, 0))))
         return self.report(before, after, settled, load_s)
 
     async def settle(self, client: httpx.AsyncClient) -> tuple[float | None, dict[str, float]]:
@@ -252,7 +258,7 @@ class Soak:
             "no 5xx counted by the server": server_5xx == 0,
             "streams ended with [DONE] or a clean error, 4xx bodies are OpenAI errors": not t.failures,
             "bursts past the queue cap got 429": t.rejected_429 > 0 or not t.bursts,
-            f"RSS grew < {RSS_GROWTH_LIMIT:.0%} from {rss['from_s']:.0f} s to the end":
+            f"RSS less the prefix cache grew < {RSS_GROWTH_LIMIT:.0%} from {rss['from_s']:.0f} s to the end":
                 rss["growth"] is not None and rss["growth"] < RSS_GROWTH_LIMIT,
             "active, queued and KV bytes back to 0": settled is not None,
         }
@@ -267,17 +273,21 @@ class Soak:
 
     def rss_growth(self) -> dict:
         if not self.rss:
-            return {"from_s": 0.0, "start_bytes": None, "end_bytes": None, "growth": None}
+            return {"from_s": 0.0, "start_bytes": None, "end_bytes": None, "growth": None, "raw_growth": None}
         total = self.rss[-1][0]
         baseline_at = min(120.0, 0.2 * total)  # minute 2, or a fifth of a short run
-        start = next(((s, b) for s, b in self.rss if s >= baseline_at), self.rss[0])
-        end = self.rss[-1][1]
-        return {"from_s": start[0], "start_bytes": start[1], "end_bytes": end,
-                "peak_bytes": max(b for _, b in self.rss), "growth": (end - start[1]) / start[1] if start[1] else None,
-                "samples": len(self.rss)}
+        start = next((sample for sample in self.rss if sample[0] >= baseline_at), self.rss[0])
+        end = self.rss[-1]
+        net_start, net_end = start[1] - start[2], end[1] - end[2]
+        return {"from_s": start[0], "start_bytes": start[1], "end_bytes": end[1],
+                "prefix_cache_start_bytes": start[2], "prefix_cache_end_bytes": end[2],
+                "peak_bytes": max(sample[1] for sample in self.rss),
+                "growth": (net_end - net_start) / net_start if net_start > 0 else None,
+                "raw_growth": (end[1] - start[1]) / start[1] if start[1] else None, "samples": len(self.rss)}
 
 
 KV_GAUGE = "simple_serve_kv_cache_used_bytes"
+PREFIX_GAUGE = "simple_serve_prefix_cache_bytes"
 IDLE_GAUGES = ("simple_serve_active_sequences", "simple_serve_queue_depth", KV_GAUGE)
 
 
@@ -293,9 +303,11 @@ def print_report(r: dict) -> None:
           f"{r['cut_at_end']} workers' requests cut {END_GRACE_S:.0f} s after the end")
     print(f"  429s                  {r['rejected_429']} in {r['bursts']} bursts    "
           f"completion tokens {r['completion_tokens']}")
-    growth = "-" if rss["growth"] is None else f"{rss['growth']:+.2%}"
+    pct = lambda g: "-" if g is None else f"{g:+.2%}"  # noqa: E731
     print(f"  RSS                   {mib(rss['start_bytes'])} at {rss['from_s']:.0f} s -> {mib(rss['end_bytes'])} "
-          f"at the end ({growth}; peak {mib(rss.get('peak_bytes'))})")
+          f"at the end ({pct(rss.get('raw_growth'))}; peak {mib(rss.get('peak_bytes'))})")
+    print(f"  prefix cache          {mib(rss.get('prefix_cache_start_bytes'))} -> "
+          f"{mib(rss.get('prefix_cache_end_bytes'))}; RSS less the prefix cache {pct(rss['growth'])}")
     kv = "" if r["kv_gauge_exposed"] else f" ({KV_GAUGE} not exposed by this server: not checked)"
     settled = "never" if r["settled_s"] is None else f"{r['settled_s']:.1f} s"
     print(f"  after the load        {r['idle_gauges_after']}, settled in {settled}{kv}")
