@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_grad_enabled(False)
 
     def load(dtype: str, quant: str):
-        return load_model(settings.model, "cpu", dtype, settings.model_cache, prepack=True, quant=quant)
+        return load_model(settings.model, "cpu", dtype, settings.model_cache, prepack="auto", quant=quant)
 
     lm = load("float32", "none")
     text_ids = lm.encode_text(TEXT.read_text())
