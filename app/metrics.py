@@ -48,3 +48,13 @@ class Metrics:
                                        "admission keeps this within the budget", registry=r)
         self.kv_cache_in_use = Gauge(f"{PREFIX}_kv_cache_used_bytes", "KV cache bytes the running requests hold now",
                                      registry=r)
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {"name" or "name{labels}": value}, as a soak or a test reads /metrics back."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

@@ -33,6 +33,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from app.config import DEFAULT_MODEL, Settings
+from app.metrics import parse_samples
 from app.models.fetch import fetch_model
 
 from conftest import MODEL_CACHE, free_port, wait_until_ready
@@ -163,13 +164,7 @@ def chat_body(messages=PARIS, **extra: Any) -> dict[str, Any]:
 
 
 def read_metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
 
 
 def wait_idle(url: str, cancellations_before: float, within_s: float = 1.5) -> tuple[float, dict[str, float]]:

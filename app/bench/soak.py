@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from app.bench.serve import Result, _one_request, build_prompt
+from app.metrics import parse_samples
 
 RSS_GROWTH_LIMIT = 0.05
 RSS_SAMPLE_S = 5.0
@@ -206,13 +207,7 @@ class Soak:
 
     async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
         """/metrics as {name or name{labels}: value}."""
-        text = (await client.get(self.base + "/metrics", timeout=10)).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_samples((await client.get(self.base + "/metrics", timeout=10)).text)
 
     async def run(self) -> dict:
         args = self.args
