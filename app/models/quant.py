@@ -18,6 +18,7 @@ unquantized model) and the README lists the figures.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -34,6 +35,20 @@ def dynamic_int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
     engines = torch.backends.quantized.supported_engines
     return (device.type == "cpu" and dtype == torch.float32 and ("x86" in engines or "fbgemm" in engines)
             and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
+@functools.cache
+def fbgemm_has_vnni() -> bool:
+    """Whether fbgemm multiplies uint8 x int8 with AVX-512 VNNI, which sums the products in int32.
+
+    Without VNNI (AVX2, or AVX-512 without it) fbgemm uses `vpmaddubsw`, which adds two u8 x s8 products in a
+    saturating int16: 2 x 255 x 127 overflows it. There the activations must be quantized to 7 bits
+    (`reduce_range`), as torch's own default qconfig does everywhere. Found by the emulated AVX2 CPU of
+    `make test-avx2`: with full-range activations the tiny model's logits were 9% off fp32 instead of ~1%.
+    fbgemm reads CPUID itself (ATEN_CPU_CAPABILITY does not reach it), so this does too.
+    """
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_vnni"))
 
 
 def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +106,12 @@ class DynamicInt8Linear(nn.Module):
         self.weight_bytes = weight.numel() + scales.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
-        # reduce_range=False: the 'x86'/'fbgemm' engines' AVX-512 VNNI and AVX2 paths both take full-range uint8.
+        reduce_range = not fbgemm_has_vnni()
         if x.numel() == x.shape[-1]:
-            out = torch.ops.quantized.linear_dynamic(x, self.packed, False)
+            out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range)
         else:
             peak = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-            out = torch.ops.quantized.linear_dynamic(x / peak, self.packed, False).mul_(peak)
+            out = torch.ops.quantized.linear_dynamic(x / peak, self.packed, reduce_range).mul_(peak)
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
