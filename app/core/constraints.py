@@ -6,9 +6,9 @@ this model's tokenizer; `Grammar.matcher()` gives each sequence its own `Grammar
   1) writes the allowed tokens into a bitmask (one bit per token id) and applies it to that row's logits;
   2) after the token is chosen, advances its state with it.
 
-Rows without a grammar never reach this module, so they pay nothing. A greedy row on a CPU skips step 1's
-apply when it can (see `Sequence.pick`): most of the time the model's own best token is allowed. The bitmask is sized from the model's
-config vocabulary (Qwen: 151,936), which is larger than the tokenizer's (151,665): xgrammar treats the padding
+Rows without a grammar never reach this module, so they pay nothing. A greedy row on a CPU skips step 1's apply
+when the model's own best token is allowed, which it mostly is (see `Sequence.pick`). The bitmask is sized from the
+model's config vocabulary (Qwen: 151,936), which is larger than the tokenizer's (151,665): xgrammar treats the padding
 ids as special tokens, so they stay masked. The stop tokens given to `Grammars` (the model's EOS ids) are the only
 tokens allowed once a document is complete, so EOS ends a complete document and nothing else. Whitespace between
 JSON tokens is capped (`MAX_WHITESPACE`), so a model cannot pad with spaces until max_tokens (vLLM 38696).
