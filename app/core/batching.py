@@ -118,7 +118,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
         # On a CPU in bf16/fp16, two fp32 matmuls beat SDPA by far (`grouped_decode_attention`); the padded copy
         # is made in fp32 directly, so they cost no extra copy.
-        matmuls = query.device.type == "cpu" and query.dtype != torch.float32
+        matmuls = decode_matmuls(query.device, query.dtype)
         dtype = torch.float32 if matmuls else query.dtype
         k, v = _left_padded([key.tensors[i] for i in step.decoding], [value.tensors[i] for i in step.decoding], dtype)
         mask = step.decode_mask([key.tensors[i].shape[-2] for i in step.decoding], window, dtype)
@@ -135,6 +135,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling)
         out[:, start:end] = o
     return out, None
+
+
+def decode_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode rows take `grouped_decode_attention` instead of SDPA: on a CPU in half precision."""
+    return device.type == "cpu" and dtype != torch.float32
 
 
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
