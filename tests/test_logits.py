@@ -110,28 +110,3 @@ def test_logits_follow_a_swapped_lm_head(tiny_tokenizer):
         model.lm_head = torch.nn.Linear(64, model.config.vocab_size, bias=False)
         torch.testing.assert_close(logits_from_hidden(model, hidden), model.lm_head(hidden) / 4.0)
     assert not torch.equal(before, logits_from_hidden(model, hidden))
-
-
-def test_fp32_cpu_lm_head_computes_a_batch_as_weight_times_rows(tiny_dir):
-    """load_model gives an fp32 CPU model `BatchedHead`: one row exactly as nn.Linear (and so generate()), several
-    rows each within float rounding of that row alone, and a tied embedding table still one tensor."""
-    from app.models.loading import load_model
-    from app.models.logits import BatchedHead
-
-    lm = load_model(str(tiny_dir), device="cpu", dtype="float32")
-    head = lm.model.lm_head
-    assert isinstance(head, BatchedHead)
-    if lm.model.config.tie_word_embeddings:
-        assert head.weight is lm.model.get_input_embeddings().weight
-    torch.manual_seed(1)
-    x = torch.randn(1, 7, head.in_features)
-    alone = torch.cat([torch.nn.functional.linear(x[:, i : i + 1], head.weight) for i in range(7)], dim=1)
-    with torch.inference_mode():
-        assert torch.equal(head(x[:, :1]), alone[:, :1])
-        torch.testing.assert_close(head(x), alone, rtol=1e-5, atol=1e-5)
-        assert head(x).shape == (1, 7, head.out_features) and head(x).is_contiguous()
-    # not where it does not apply: half precision (prepacking's domain) and int8 keep their own heads
-    assert not isinstance(load_model(str(tiny_dir), device="cpu", dtype="bfloat16", prepack="false").model.lm_head,
-                          BatchedHead)
-    assert not isinstance(load_model(str(tiny_dir), device="cpu", dtype="auto", quant="int8").model.lm_head,
-                          BatchedHead)

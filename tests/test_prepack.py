@@ -101,8 +101,10 @@ def test_load_model_prepacks_where_it_runs_unless_turned_off(tiny_dir):
     off = load_model(str(tiny_dir), "cpu", "bfloat16", prepack="false")
     assert linears(off.model) == (15, 0) and off.prepack == "off: PREPACK=false"
     fp32 = load_model(str(tiny_dir), "cpu", "float32")  # fp32 would not be bit-identical: never packed
-    assert linears(fp32.model) == (14, 0) and fp32.prepack.startswith("off: prepacking applies to bfloat16")
-    assert type(fp32.model.lm_head).__name__ == "BatchedHead"  # fp32's own batch-friendly head (app/models/logits.py)
+    # fp32's gate and up projections and lm_head (wider out than in) are WeightFirstLinear (app/models/weight_first.py)
+    wide = sum(type(m).__name__ == "WeightFirstLinear" for m in fp32.model.modules())
+    assert wide == 5 and linears(fp32.model) == (15 - wide, 0)
+    assert fp32.prepack.startswith("off: prepacking applies to bfloat16")
 
 
 @pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), ("true", "true"), ("1", "true"), ("on", "true"),

@@ -20,9 +20,9 @@ from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.fetch import EMBEDDED, fetch_model
-from app.models.logits import use_batched_head
 from app.models.prepack import PrepackFailed, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
+from app.models.weight_first import use_weight_first
 
 log = logging.getLogger("app.models.loading")
 
@@ -125,7 +125,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype)
-        use_batched_head(model)  # fp32 on a CPU: a batch's lm_head without MKL copying the vocabulary matrix
+        use_weight_first(model)  # fp32 on a CPU: a batch's wide linears without MKL copying their weights
     log.info("prepack %s", prepack_state)
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)

@@ -9,9 +9,6 @@ Rather than re-implement each (and miss the next), we call the model's own forwa
 a pass-through: our hidden states go in as `inputs_embeds`, come out as `last_hidden_state`, and every line forward
 runs after the body (slicing, `lm_head`, scaling, soft-capping) is transformers' own. The copy shares every weight
 and costs one Python call per step.
-
-On a CPU in fp32, a batch's lm_head runs as `BatchedHead` (see there): the vocabulary matrix is the largest in the
-model, and the usual `x @ W.T` made MKL copy all of it on every call with more than one row.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import copy
 from weakref import WeakKeyDictionary
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -64,40 +60,3 @@ def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden: [B, S, hidden_size] from the model body -> logits [B, S, vocab], as `model(...).logits` has them."""
     return _head_only(model)(inputs_embeds=hidden, use_cache=False).logits
 
-
-class BatchedHead(nn.Module):
-    """A drop-in lm_head (CPU, fp32) that computes several rows as `W @ x.T` instead of `x @ W.T`.
-
-    For `x @ W.T` with a few rows, MKL's sgemm packs its right-hand side, here the whole [vocab, hidden] matrix
-    (545 MB for Qwen2.5-0.5B), on every call: on 2 AVX2 cores 8 rows took 116-130 ms against 36 ms for one row.
-    Written as `W @ x.T`, the few rows are what gets packed and the matrix is streamed once: 46-49 ms for 8 rows,
-    37 ms for 2, 109 against 183 ms for 32. One row keeps `F.linear`, bit for bit what `nn.Linear` and
-    `generate()` compute. Several rows round differently from `x @ W.T`, within ~2e-6; so does `x @ W.T` itself
-    against each row alone, which is why batched steps are tested on their tokens against solo runs.
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias  # shared: a tied embedding table stays one tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden] -> [..., vocab]
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, rows.T).T  # [vocab, rows] -> [rows, vocab]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.contiguous().reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def use_batched_head(model: nn.Module) -> bool:
-    """Swap a plain fp32 lm_head on the CPU for `BatchedHead`, in place; False where that does not apply."""
-    head = getattr(model, "lm_head", None)
-    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
-        return False
-    model.lm_head = BatchedHead(head)
-    return True
