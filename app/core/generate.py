@@ -259,7 +259,7 @@ def forward_many(model, work: list[tuple[Sequence, int]], n_out: Seq[int] | None
     device = work[0][0].token_ids.device
     if len(work) == 1 and not decode_matmuls(device, model.dtype):
         # Nothing to pack: one request's pass is the solo pass itself, HF's own SDPA over its own cache, without the
-        # packed pass's per-layer splitting and padded copies (46.1 -> 41.5 ms a step for one int8 stream on 2 AVX2
+        # packed pass's per-layer splitting and padded copies (46.1 -> 42.3 ms a step for one int8 stream on 2 AVX2
         # cores). Not in half precision on a CPU, where the packed pass's fp32 decode matmuls beat SDPA.
         (seq, n), = work
         return forward_solo(model, seq, n, n_out[0])

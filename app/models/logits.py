@@ -59,4 +59,3 @@ def _head_only(model: nn.Module) -> nn.Module:
 def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden: [B, S, hidden_size] from the model body -> logits [B, S, vocab], as `model(...).logits` has them."""
     return _head_only(model)(inputs_embeds=hidden, use_cache=False).logits
-
