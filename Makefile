@@ -49,9 +49,9 @@ AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py
 AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_speculative.py tests/test_prefix_cache.py
 # On a CPU that is itself AVX2-only, the main pass has just run those paths natively, so nothing is emulated.
 test-avx2: setup qemu
-	@if $(PY) -c "from app.models.cpu import cpu_features as f; c = f(); \
-			raise SystemExit(0 if c.aten_capability == 'AVX2' and not c.flags and not c.forced else 1)"; then \
-		echo "test-avx2: this CPU is AVX2-only ($$($(PY) -c 'from app.models.cpu import cpu_features as f; print(f().describe())')); the main pass ran its paths natively"; \
+	@if cpu=$$($(PY) -c "from app.models.cpu import cpu_features as f; c = f(); print(c.describe()); \
+			raise SystemExit(0 if c.aten_capability == 'AVX2' and not c.flags and not c.forced else 1)"); then \
+		echo "test-avx2: this CPU is AVX2-only ($$cpu); the main pass ran its paths natively"; \
 	elif command -v qemu-x86_64 >/dev/null 2>&1 && [ "$$(uname -m)" = x86_64 ]; then \
 		cp scripts/python-avx2 $(VENV)/bin/python-avx2 && \
 		$(VENV)/bin/python-avx2 -c "import torch; from app.models.cpu import cpu_features as f; c = f(); \
