@@ -43,10 +43,11 @@ test: setup chromium qemu
 # own variables instead, which picks the same kernels but cannot catch a stray instruction.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py tests/test_logits.py
-# Kernels that choose by CPUID themselves (fbgemm's int8, xgrammar's mask) and the packed-row paths, on the tiny
-# model only (~45 s; their real-model tests take many minutes emulated). fbgemm's AVX2 path was found here to
-# saturate with full-range activations (app/models/quant.py).
-AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_speculative.py tests/test_prefix_cache.py
+# Kernels that choose by CPUID themselves (fbgemm's int8, xgrammar's mask, oneDNN's fp32 copies for batched rows)
+# and the packed-row paths, on the tiny model only (~45 s; their real-model tests take many minutes emulated).
+# fbgemm's AVX2 path was found here to saturate with full-range activations (app/models/quant.py).
+AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_speculative.py tests/test_prefix_cache.py \
+	tests/test_batch_rows.py
 # On a CPU that is itself AVX2-only, the main pass has just run those paths natively, so nothing is emulated.
 test-avx2: setup qemu
 	@if cpu=$$($(PY) -c "from app.models.cpu import cpu_features as f; c = f(); print(c.describe()); \

@@ -52,7 +52,8 @@ def test_prepack_needs_what_onednns_reorder_checks():
         CPU, torch.bfloat16, AVX2_ONLY)
     arrow_lake = replace(AVX2_ONLY, flags=frozenset({"avx_ne_convert"}), onednn_bf16=True)  # AVX2 + AVX-NE-CONVERT
     assert prepack_support(CPU, torch.bfloat16, arrow_lake) is None
-    assert prepack_support(CPU, torch.float32, ZEN4).startswith("prepacking applies to bfloat16")
+    assert prepack_support(CPU, torch.float16, ZEN4).startswith("prepacking applies to bfloat16 and float32")
+    assert prepack_support(CPU, torch.float32, AVX2_ONLY) is None  # a copy for batched rows: oneDNN's fp32 kernels
     assert prepack_support(torch.device("cuda"), torch.bfloat16, ZEN4).startswith("prepacking is for the CPU")
 
 
@@ -114,8 +115,8 @@ def test_where_prepack_cannot_run_auto_serves_plain_layers_and_true_fails(tiny_d
     with pytest.raises(ConfigError, match="PREPACK=true, but cpu AMD EPYC \\(AVX2\\) lacks") as err:
         load_model(str(tiny_dir), "cpu", "bfloat16", prepack="true")
     assert err.value.param == "prepack"
-    with pytest.raises(ConfigError, match="these are float32 \\(dtype: cpu AMD EPYC \\(AVX2\\) has no native bf16"):
-        load_model(str(tiny_dir), "cpu", "auto", prepack="true")
+    fp32 = load_model(str(tiny_dir), "cpu", "auto", prepack="true")  # fp32 here: its copy for batched rows runs
+    assert fp32.dtype == torch.float32 and fp32.prepack.startswith("on: 15 linear layers, with fp32 copies")
 
 
 def test_the_model_loads_straight_onto_its_device(tiny_dir, monkeypatch):

@@ -100,11 +100,11 @@ def test_load_model_prepacks_where_it_runs_unless_turned_off(tiny_dir):
         assert linears(auto.model) == (15, 0) and "oneDNN's bf16 reorder needs" in auto.prepack
     off = load_model(str(tiny_dir), "cpu", "bfloat16", prepack="false")
     assert linears(off.model) == (15, 0) and off.prepack == "off: PREPACK=false"
-    fp32 = load_model(str(tiny_dir), "cpu", "float32")  # fp32 would not be bit-identical: never packed
-    # fp32's gate and up projections and lm_head (wider out than in) are WeightFirstLinear (app/models/weight_first.py)
-    wide = sum(type(m).__name__ == "WeightFirstLinear" for m in fp32.model.modules())
-    assert wide == 5 and linears(fp32.model) == (15 - wide, 0)
-    assert fp32.prepack.startswith("off: prepacking applies to bfloat16")
+    fp32 = load_model(str(tiny_dir), "cpu", "float32")  # never reordered in place: a copy, for batched rows only
+    assert linears(fp32.model) == (0, 0) and fp32.prepack.startswith("on: 15 linear layers, with fp32 copies")
+    assert sum(type(m).__name__ == "BatchRowsLinear" for m in fp32.model.modules()) == 15  # app/models/batch_rows.py
+    half = load_model(str(tiny_dir), "cpu", "float16")
+    assert linears(half.model) == (15, 0) and half.prepack.startswith("off: prepacking applies to bfloat16 and float32")
 
 
 @pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), ("true", "true"), ("1", "true"), ("on", "true"),
@@ -154,9 +154,9 @@ def test_prepack_true_fails_at_start_where_it_cannot_run(tiny_dir):
         with pytest.raises(ConfigError, match="PREPACK=true, but cpu .* lacks what oneDNN's bf16 reorder needs") as err:
             load_model(str(tiny_dir), "cpu", "bfloat16", prepack="true")
         assert err.value.param == "prepack"
-    with pytest.raises(ConfigError, match="PREPACK=true, but prepacking applies to bfloat16 weights; these are "
-                                          "float32 \\(dtype: dtype=float32 was asked for\\)") as err:
-        load_model(str(tiny_dir), "cpu", "float32", prepack="true")
+    with pytest.raises(ConfigError, match="PREPACK=true, but prepacking applies to bfloat16 and float32 weights; "
+                                          "these are float16 \\(dtype: dtype=float16 was asked for\\)") as err:
+        load_model(str(tiny_dir), "cpu", "float16", prepack="true")
     assert err.value.param == "prepack"
 
 

@@ -27,7 +27,7 @@ from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
 from app.models.logits import logits_from_hidden
-from app.models.weight_first import weight_first_rows
+from app.models.batch_rows import batch_rows
 from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
 from app.core.stopping import StopStringFilter, special_stop_ids, token_finish_reason
 
@@ -244,16 +244,16 @@ def decode_step(model, seq: Sequence) -> torch.Tensor:
 
 
 @torch.inference_mode()
-@weight_first_rows()
+@batch_rows()
 def forward_many(model, work: list[tuple[Sequence, int]], n_out: Seq[int] | None = None) -> torch.Tensor:
     """One forward pass for several sequences: each feeds its next `n` tokens (a prefill chunk, 1 to decode, or
     the last token and k drafts to verify them: app/core/speculative.py).
 
     Returns float32 logits at each sequence's last `n_out[i]` fed positions (default 1), stacked in order:
     [sum(n_out), vocab]. The tokens travel packed in one row and each sequence's keys and values land in its own
-    cache (app/core/batching.py explains how). In fp32 on a CPU the wide linears take its several rows as
-    `W @ x.T` (app/models/weight_first.py), which rounds differently from `x @ W.T` as any batching does; the
-    article's loop above (`prefill`, `decode_step`) and `model.generate()` keep `nn.Linear`'s own arithmetic.
+    cache (app/core/batching.py explains how). In fp32 on a CPU the linears take its several rows on faster
+    kernels than `nn.Linear`'s (app/models/batch_rows.py), which round differently as any batching does; one row,
+    the article's loop above (`prefill`, `decode_step`) and `model.generate()` keep `nn.Linear`'s own arithmetic.
     """
     n_out = n_out or [1] * len(work)
     device = work[0][0].token_ids.device

@@ -5,7 +5,8 @@ Two rules, both from CPU features only, so the same machine and settings load th
   Without them a bf16 matmul converts to fp32 first: on an AVX2-only EPYC one 896x4864 linear took 54 ms in bf16
   against 8.4 ms in fp32 at 128 rows (issue 9). With them, bf16 prepacked won at 1, 8, 32 and 128 rows here
   (README, Performance), so there is no row count at which fp32 would be the better default.
-- oneDNN's bf16 weight reorder (prepacking) needs AVX512BW+VL+DQ or AVX-NE-CONVERT; torch raises without them.
+- oneDNN's bf16 weight reorder (prepacking) needs AVX512BW+VL+DQ or AVX-NE-CONVERT; torch raises without them. Its
+  fp32 reorder (a copy for batched rows, app/models/batch_rows.py) runs wherever oneDNN does.
 
 The flags are read as torch will use them: `ATEN_CPU_CAPABILITY=avx2` hides AVX-512 from ATen's kernels, and
 `ONEDNN_MAX_CPU_ISA=AVX2` caps oneDNN. We honour both, so an AVX2-only machine can be emulated on any x86 CPU
@@ -94,13 +95,16 @@ def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tup
 
 
 def prepack_support(device: torch.device, dtype: torch.dtype, features: CpuFeatures | None = None) -> str | None:
-    """None if oneDNN's bf16 weight reorder can run here; otherwise why not."""
+    """None if oneDNN's weight reorder can run here for this dtype; otherwise why not. bf16 weights are reordered in
+    place (app/models/prepack.py), fp32 ones get a reordered copy for batched rows (app/models/batch_rows.py)."""
     if device.type != "cpu":
         return f"prepacking is for the CPU; the model is on {device.type}"
-    if dtype != torch.bfloat16:
-        return f"prepacking applies to bfloat16 weights; these are {str(dtype).removeprefix('torch.')}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"prepacking applies to bfloat16 and float32 weights; these are {str(dtype).removeprefix('torch.')}"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch build has no oneDNN weight reorder"
+    if dtype == torch.float32:  # oneDNN has fp32 kernels wherever it runs
+        return None
     cpu = features or cpu_features()
     if not cpu.bf16_reorder:
         return (f"cpu {cpu.describe()} lacks what oneDNN's bf16 reorder needs "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import psutil
 import torch
 from jinja2 import TemplateError
 
@@ -22,13 +23,16 @@ from app.models.cpu import auto_dtype, prepack_support
 from app.models.fetch import EMBEDDED, fetch_model
 from app.models.prepack import PrepackFailed, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
-from app.models.weight_first import use_weight_first
+from app.models.batch_rows import copy_bytes, use_batch_rows
 
 log = logging.getLogger("app.models.loading")
 
 # The generation_config.json keys that map onto sampling parameters. They live with the loading code so that
 # models/ never imports core/; core/sampling.py has a built-in default for each.
 GENERATION_CONFIG_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# fp32 prepacking's copies are the linears' size again; past this share of the RAM left after loading, `auto`
+# leaves them out rather than squeeze the KV budget (half of what is left then) and everything else.
+FP32_COPY_RAM_FRACTION = 0.5
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -125,7 +129,6 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype)
-        use_weight_first(model)  # fp32 on a CPU: a batch's wide linears without MKL copying their weights
     log.info("prepack %s", prepack_state)
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)
@@ -141,17 +144,48 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
 
 
 def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Prepack where it runs (app/models/prepack.py: ~2.5x faster bf16 linears on CPU, bit-identical outputs);
-    returns what was done, for the log, /ready and /v1/models."""
+    """Prepack where it runs: bf16 in place (app/models/prepack.py: ~2.5x faster linears on a CPU, bit-identical),
+    fp32 as a copy for the engine's batched rows (app/models/batch_rows.py); returns what was done, for the log,
+    /ready and /v1/models."""
     if mode == "false":
-        return "off: PREPACK=false"
-    if why := prepack_support(device, dtype):  # auto; `true` was refused before loading
-        return f"off: {why}"
-    try:
-        count = prepack_linears(model, strict=mode == "true")
-    except PrepackFailed as err:
-        raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
-    return f"on: {count} linear layers" if count else "off: oneDNN refused the reorder (see the log)"
+        state = "off: PREPACK=false"
+    elif why := prepack_support(device, dtype):  # auto; `true` was refused before loading
+        state = f"off: {why}"
+    elif dtype == torch.float32:
+        return _pack_fp32_copies(model, strict=mode == "true")
+    else:
+        try:
+            count = prepack_linears(model, strict=mode == "true")
+        except PrepackFailed as err:
+            raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
+        return f"on: {count} linear layers" if count else "off: oneDNN refused the reorder (see the log)"
+    if device.type == "cpu" and dtype == torch.float32:
+        use_batch_rows(model, packed=False)  # a batch's wide linears as `W @ x.T`, which needs no copy
+    return state
+
+
+def _pack_fp32_copies(model, strict: bool) -> str:
+    need, available = copy_bytes(model), psutil.virtual_memory().available
+    why = None
+    if need > available * FP32_COPY_RAM_FRACTION:
+        why = (f"fp32 copies for batched rows would take {_size(need)}, more than half the {_size(available)} "
+               "of RAM available")
+    else:
+        try:
+            count = use_batch_rows(model, packed=True)
+        except RuntimeError as err:  # the reorder raised, or its products were off: nothing was swapped
+            why = str(err)
+    if why is None:
+        return f"on: {count} linear layers, with fp32 copies for batched rows ({_size(need)})"
+    if strict:
+        raise ConfigError(f"PREPACK=true, but {why}", param="prepack")
+    log.warning("prepack: %s; batched rows stay on MKL", why)
+    use_batch_rows(model, packed=False)
+    return f"off: {why}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _locate(name_or_path: str, cache_dir: Path) -> tuple[str, dict[str, Any]]:

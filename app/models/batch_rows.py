@@ -1,0 +1,131 @@
+"""CPU, fp32: the several rows of an engine pass (a batched decode step, drafts to verify, a prefill chunk) on
+faster kernels than `nn.Linear`'s, while one row stays `nn.Linear`'s own arithmetic, bit for bit.
+
+Why: with a few rows, MKL's sgemm (what `F.linear` runs in fp32) copies the whole weight into its packed layout on
+every call, and that copy costs more than the product. Two remedies, measured on 2 cores of an AVX2-only EPYC
+(Zen 3), the 24 layers' seven linears plus lm_head of Qwen2.5-0.5B, weights streamed from memory as in a decode
+step (interleaved medians, ms per step):
+
+| rows | `F.linear` | wide ones as `W @ x.T` | oneDNN, packed at load |
+| --- | --- | --- | --- |
+| 1 | 151 | 146 | 114 |
+| 2 | 324 | 175 | 127 |
+| 8 | 316 | 198 | 155 |
+| 16 | 390 | 277 | 194 |
+| 32 | 517 | 389 | 329 |
+| 128 | 1,235 | 1,046 | 1,007 |
+| 512 | 3,682 | 3,190 | 3,492 |
+
+- **Packed** (PREPACK=auto, where the copy fits): each linear keeps a second copy of its weight in oneDNN's blocked
+  layout, made once at load (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does), used for 2 to
+  `PACKED_MAX_ROWS` rows. It costs the linears' size again in RAM (1.9 GB for the default model, lm_head included:
+  the embedding keeps the plain table), so `auto` skips it where that would be more than half the RAM available.
+- **Otherwise, and past `PACKED_MAX_ROWS`:** the wide linears (more outputs than inputs: the MLP's gate and up,
+  lm_head) as `W @ x.T`, where the few rows are what MKL packs; the others `F.linear`.
+
+Why not one row too, where oneDNN is faster still: its sums round differently (~1e-6), and one row is where our
+tokens are held bit for bit to the article's loop and `model.generate()`. So every call outside the engine's passes
+(`batch_rows()`, under which app/core/generate.py's `forward_many` runs), and one row within them, is `F.linear`.
+Several rows round differently from each row alone, within ~2e-6, as any batching does; the tests hold the tokens
+of batched fp32 passes equal to solo runs and to `model.generate()`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Above this many rows (prefill chunks are 128 on a CPU) the packed copy no longer measured faster; see the table.
+PACKED_MAX_ROWS = 64
+
+_ENGINE_PASS: ContextVar[bool] = ContextVar("engine_pass", default=False)
+
+
+@contextmanager
+def batch_rows() -> Iterator[None]:
+    """Within: fp32 linears compute several rows on the faster kernels."""
+    token = _ENGINE_PASS.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_PASS.reset(token)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+class BatchRowsLinear(nn.Module):
+    """A drop-in `nn.Linear` (CPU, fp32) that shares the original's weight (a tied embedding stays one tensor),
+    with, if `packed`, a oneDNN-packed copy of it for several rows."""
+
+    def __init__(self, linear: nn.Linear, packed: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.wide = self.out_features > self.in_features
+        # The batch-size hint picks oneDNN's blocking; 8 (a full decode batch) measured best here from 2 to 16 rows.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 8) if packed else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        rows = x.numel() // self.in_features
+        if rows == 1 or not _ENGINE_PASS.get():
+            return F.linear(x, self.weight, self.bias)
+        if self.packed_weight is not None and rows <= PACKED_MAX_ROWS:
+            return packed_linear(x, self.packed_weight, self.bias)
+        if not self.wide:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T  # [out, rows] -> [rows, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.contiguous().reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def packed_bytes(self) -> int:
+        return 0 if self.packed_weight is None else self.weight.numel() * self.weight.element_size()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed={self.packed_weight is not None}")
+
+
+def _fp32_cpu_linear(module: nn.Module) -> bool:
+    return (type(module) is nn.Linear  # subclasses (quantized layers and the like) keep their own forward
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32)
+
+
+def copy_bytes(model: nn.Module) -> int:
+    """What packed copies of every fp32 CPU linear would add to memory."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _fp32_cpu_linear(m))
+
+
+@torch.no_grad()
+def use_batch_rows(model: nn.Module, packed: bool) -> int:
+    """Swap each plain fp32 CPU `nn.Linear` for a `BatchRowsLinear`, in place: with `packed`, every one (with its
+    copy); without, only the wide ones (the others would gain nothing). Returns how many were swapped. A copy that
+    does not give the plain layer's outputs within rounding raises `RuntimeError`, before anything is swapped."""
+    swaps = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _fp32_cpu_linear(child) and (packed or child.out_features > child.in_features):
+                layer = BatchRowsLinear(child, packed)
+                if packed:
+                    _check_close(child, layer)
+                swaps.append((parent, name, layer))
+    for parent, name, layer in swaps:
+        setattr(parent, name, layer)
+    return len(swaps)
+
+
+def _check_close(plain: nn.Linear, layer: BatchRowsLinear) -> None:
+    probe = torch.linspace(-2, 2, 5 * plain.in_features).reshape(5, -1)  # several rows, varied values
+    with batch_rows():
+        got = layer(probe)
+    if not torch.allclose(got, plain(probe), rtol=1e-4, atol=1e-5):
+        raise RuntimeError(f"oneDNN's packed fp32 linear ({plain.out_features} x {plain.in_features}) gave "
+                           "different results from nn.Linear on this machine")
