@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_prepack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prepack", nargs="?", const="true", choices=("auto", "true", "false"),
-                        help="CPU + bf16: reorder linear weights once for oneDNN (default: auto, where the CPU can "
-                             "run it; a bare --prepack means true: fail at start where it cannot)")
+                        help="CPU: reorder linear weights once for oneDNN, bf16 in place, fp32 as a copy for "
+                             "batched rows (default: auto, where it can; a bare --prepack means true: fail at start "
+                             "where it cannot)")
     parser.add_argument("--no-prepack", dest="prepack", action="store_const", const="false")
 
 

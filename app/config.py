@@ -36,8 +36,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    prepack: PrepackMode = Field("auto", description="CPU + bf16: reorder linear weights once for oneDNN (bit-identical, "
-                                 "faster); auto: where the CPU can run it, true: fail at start where it cannot")
+    prepack: PrepackMode = Field("auto", description="CPU: reorder linear weights once for oneDNN; bf16 in place "
+                                 "(bit-identical, faster), fp32 as a copy for batched rows (one row stays exact; the "
+                                 "linears' size again in RAM); auto: where it can, true: fail at start where it cannot")
     quant: Literal["none", "int8"] = Field("none", description="int8: every linear reads int8 weights (faster, "
                                            "not exact; quality measured by `bench quality`)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")

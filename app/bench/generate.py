@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--prepack", nargs="?", const="true", choices=("auto", "true", "false"),
-                        help="CPU + bf16: prepacked linear weights, as the server runs (default: auto)")
+                        help="CPU: prepacked linear weights (bf16) or fp32 copies for batched rows, as the "
+                             "server runs (default: auto)")
     parser.add_argument("--no-prepack", dest="prepack", action="store_const", const="false")
     parser.add_argument("--quant-variant", action=argparse.BooleanOptionalAction, default=True,
                         help="also time our loop with QUANT=int8 (app/models/quant.py; default: on)")
