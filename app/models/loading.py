@@ -19,11 +19,11 @@ from jinja2 import TemplateError
 
 from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
+from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.fetch import EMBEDDED, fetch_model
 from app.models.prepack import PrepackFailed, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
-from app.models.batch_rows import copy_bytes, use_batch_rows
 
 log = logging.getLogger("app.models.loading")
 
