@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "
                                     "context left)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
+    grammar_max_depth: int = Field(32, ge=1, description="deepest nesting of subschemas in a response_format or "
+                                   "tool schema (400 past it)")
+    grammar_max_repeat: int = Field(1000, ge=1, description="largest repetition bound in a schema's pattern "
+                                    "(nested bounds multiplied) or minItems/maxItems (400 past it)")
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, description="a grammar compile running longer is stopped "
+                                             "(400)")
+    grammar_compile_workers: int = Field(1, ge=1, description="processes compiling grammars, apart from "
+                                         "tokenization and generation")
+    grammar_compile_queue: int = Field(8, ge=0, description="grammar compiles waiting for a worker (429 past it)")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")

@@ -12,12 +12,18 @@ from functools import partial
 
 from app.config import Settings
 from app.core.engine import Engine
+from app.core.schema_check import GrammarLimits
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model
 from app.core.sampling import SamplingParams
 from app.openai.serving import CompletionServing
 
 log = logging.getLogger("app.state")
+
+
+def grammar_limits(s: Settings) -> GrammarLimits:
+    return GrammarLimits(s.grammar_max_depth, s.grammar_max_repeat, s.grammar_compile_timeout_s,
+                         s.grammar_compile_workers, s.grammar_compile_queue)
 
 
 class ServerState:
@@ -47,7 +53,8 @@ class ServerState:
             if self.engine.load_error is not None:
                 raise self.engine.load_error
             self.lm = self.engine.lm
-            self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens)
+            self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
+                                             grammar_limits(s))
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"
@@ -90,3 +97,5 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.serving is not None:
+            self.serving.grammars.close()  # its compile processes

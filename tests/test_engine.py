@@ -274,10 +274,26 @@ def test_budget_reserve_release_and_reclaim():
     assert budget.in_use == 600
     evicted = []
     budget.reserve("prefix-cache", 300)
-    budget.add_reclaimer(lambda need: evicted.append(budget.release("prefix-cache")))  # a cache that evicts
+    budget.add_reclaimer(lambda need: evicted.append(budget.release("prefix-cache")),  # a cache that evicts
+                         lambda: budget._held.get("prefix-cache", 0))
     assert budget.reserve("b", 300) and evicted == [300] and budget.in_use == 900
     assert budget.release("a") == 600 and budget.release("a") == 0
     assert budget.in_use == 300
+
+
+def test_a_request_that_cannot_fit_even_after_eviction_leaves_the_prefix_cache_alone():
+    """9,000 of 10,000 bytes held by a running request: a queued 5,000-byte request waits, asked every step,
+    and the cache keeps its 500 bytes (it used to be emptied on the first ask)."""
+    budget = KVBudget(10_000)
+    assert budget.reserve("running", 9_000) and budget.reserve("prefix-cache", 500)
+    evicted = []
+    budget.add_reclaimer(lambda need: evicted.append(budget.release("prefix-cache")),
+                         lambda: budget._held.get("prefix-cache", 0))
+    assert not any(budget.reserve("queued", 5_000) for _ in range(4))
+    assert evicted == [] and budget.in_use == 9_500
+    budget.release("running")
+    assert budget.reserve("queued", 5_000) and evicted == []  # fits beside the cache now
+    assert budget.reserve("more", 5_000) and evicted == [500]  # evicting admits this one, so it is done
 
 
 def test_requests_wait_for_kv_budget_and_too_big_ones_get_400(tiny_lm):

@@ -210,6 +210,11 @@ def test_cached_tokens_in_usage_and_metrics(make_tiny_server):
     queried = next(float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("simple_serve_prefix_cache_queried_tokens_total"))
     assert queried >= 2 * first["usage"]["prompt_tokens"]  # and the server's warm-up prompt
+    # the Responses API reports the same figure for the same conversation (it used to say 0 always)
+    responses = {"model": "tiny", "instructions": SYSTEM, "input": "Hi", "temperature": 0, "max_output_tokens": 4}
+    usage = httpx.post(server.url + "/v1/responses", json=responses).json()["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] == hit and usage["input_tokens"] == first["usage"][
+        "prompt_tokens"]
     off = make_tiny_server(prefix_cache_bytes=0)
     again = [httpx.post(off.url + "/v1/chat/completions", json=body).json() for _ in range(2)]
     assert again[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

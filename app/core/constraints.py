@@ -2,7 +2,9 @@
 
 The grammar engine is xgrammar (chosen over llguidance by measurement on Qwen's 151,936-token vocabulary; figures
 in the README). `Grammars` compiles a JSON schema or a structural tag once per distinct spec (an LRU cache) against
-this model's tokenizer; `Grammar.matcher()` gives each sequence its own `GrammarMatcher`, which every step:
+this model's tokenizer, in a worker process with a deadline (app/core/grammar_compile.py), once
+app/core/schema_check.py has refused what it would not enforce or what costs too much to compile.
+`Grammar.matcher()` gives each sequence its own `GrammarMatcher`, which every step:
   1) writes the allowed tokens into a bitmask (one bit per token id) and applies it to that row's logits;
   2) after the token is chosen, advances its state with it.
 
@@ -18,68 +20,24 @@ This module knows JSON Schema but nothing of OpenAI: what to constrain is decide
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
-from app.errors import InvalidRequest
+from app.core.grammar_compile import CompileFailed, CompilePool, CompileTimeout
+from app.core.schema_check import GrammarLimits, check_schema
+from app.errors import InvalidRequest, Overloaded
 
 MAX_WHITESPACE = 4  # at most this many whitespace characters in a row between JSON tokens
-CACHE_SIZE = 128  # compiled grammars kept; a compiled JSON schema is tens of KB
-
-# JSON Schema keywords the engine enforces, or that only annotate; anything else is refused with a 400, never
-# silently ignored (xgrammar warns and ignores `not`, `if`, multi-entry `allOf`, unknown formats, ...).
-ENFORCED = {
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-    "uniqueItems", "contains", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    "multipleOf", "minProperties", "maxProperties", "propertyNames", "patternProperties", "dependentRequired",
-    "unevaluatedProperties", "unevaluatedItems",
-}
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "strict", "nullable", "discriminator", "contentMediaType"}
-FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uri", "uri-reference",
-           "uri-template", "json-pointer", "relative-json-pointer", "uuid"}
-# Keywords whose value is a map of name -> subschema, or a list of subschemas, or one subschema.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
-               "unevaluatedItems")
-
-
-def check_schema(schema: Any, param: str, path: str = "") -> None:
-    """Refuse a JSON schema the engine would not fully enforce, naming the keyword and where it is."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise InvalidRequest(f"a JSON schema must be an object, got {type(schema).__name__} at {path or '/'}",
-                             param=param)
-    for key, value in schema.items():
-        where = f"{path}/{key}"
-        if key not in ENFORCED and key not in ANNOTATIONS:
-            raise InvalidRequest(f"JSON schema keyword {key!r} (at {where}) cannot be enforced by this server",
-                                 param=param)
-        if key == "format" and value not in FORMATS:
-            raise InvalidRequest(f"JSON schema format {value!r} (at {where}) cannot be enforced by this server; "
-                                 f"supported: {', '.join(sorted(FORMATS))}", param=param)
-        if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
-            raise InvalidRequest(f"JSON schema keyword 'pattern' together with minLength/maxLength (at {where}) "
-                                 "cannot be enforced by this server; put the length into the pattern", param=param)
-        if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            raise InvalidRequest(f"JSON schema keyword 'allOf' with more than one schema (at {where}) cannot be "
-                                 "enforced by this server", param=param)
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                check_schema(sub, param, f"{where}/{name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                check_schema(sub, param, f"{where}/{i}")
-        elif key in _SCHEMA_ONE:
-            check_schema(value, param, where)
+CACHE_SIZE = 128  # compiled grammars kept; a compiled JSON schema is tens of KB to a few MB
+CACHE_BYTES = 256 * 2**20  # and at most this much of them (xgrammar's own count of a compiled grammar's memory)
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +47,7 @@ class Grammar:
     compiled: Any  # xgrammar.CompiledGrammar
     vocab_size: int
     description: str  # for the x-sampling-params header: "json_schema", "structural_tag", ...
+    param: str = "response_format"  # the request field it came from, named when it reaches a dead end
 
     def matcher(self) -> "GrammarMatcher":
         return GrammarMatcher(self)
@@ -101,6 +60,7 @@ class GrammarMatcher:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.grammar = grammar
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(vocab / 32)], CPU
 
@@ -111,6 +71,17 @@ class GrammarMatcher:
     def allows(self, token_id: int) -> bool:
         """Whether the grammar allows this token next (after fill()): one bit, no pass over the vocabulary."""
         return bool((int(self.bitmask[0, token_id >> 5]) >> (token_id & 31)) & 1)
+
+    @property
+    def dead_end(self) -> bool:
+        """No token may come next (after fill()): a pattern that matches nothing, say `[^\\s\\S]`. A complete
+        document always allows the stop tokens, so a dead end is never a finished answer."""
+        return not bool(self.bitmask.any())
+
+    def dead_end_error(self, generated: int) -> InvalidRequest:
+        return InvalidRequest(f"the grammar of `{self.grammar.param}` allows no token after {generated} generated "
+                              "tokens: no text can satisfy it from here (a pattern or enum that matches nothing?)",
+                              param=self.grammar.param, code="grammar_dead_end")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, vocab] -> a copy where every token the grammar forbids is -inf."""
@@ -136,53 +107,121 @@ class GrammarMatcher:
 
 
 class Grammars:
-    """Compiles grammars for one model's tokenizer, caching them by spec. Thread-safe; compile off the event loop
-    (the first call also builds the tokenizer's tables: about 1 s for Qwen's vocabulary)."""
+    """Compiles grammars for one model's tokenizer, caching them by spec. Thread-safe.
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = CACHE_SIZE):
+    A compile runs in a worker process with a deadline (app/core/grammar_compile.py), reached from this object's
+    own threads: never the event loop, nor the thread pool that tokenization uses. `json_schema_async` and
+    `structural_tag_async` are for the event loop; the plain methods block (tests, benches). The first compile
+    also builds the tokenizer's tables (about 1 s for Qwen's vocabulary) and starts a worker (about 3 s)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = CACHE_SIZE,
+                 limits: GrammarLimits = GrammarLimits(), cache_bytes: int = CACHE_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
         self.cache_size = cache_size
-        self._compiler = None
+        self.cache_bytes = cache_bytes
+        self.limits = limits
+        self._info = None  # xgrammar.TokenizerInfo, built on first use
+        self._workers: CompilePool | None = None
+        self._threads = ThreadPoolExecutor(limits.workers, thread_name_prefix="grammar")
+        self._pending = 0  # compiles submitted to the threads and not finished
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
-
-    def _get_compiler(self):
-        import xgrammar as xgr
-
-        with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_ids)
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # we cache, with a bound
-            return self._compiler
+        self._start_lock = threading.Lock()
 
     def json_schema(self, schema: dict[str, Any], param: str = "response_format") -> Grammar:
-        check_schema(schema, param)
-        return self._cached("json_schema", schema, param, lambda c, spec: c.compile_json_schema(
-            spec, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False))
+        check_schema(schema, param, limits=self.limits)
+        return self._compile("json_schema", schema, param)
 
     def structural_tag(self, tag: dict[str, Any], param: str = "tool_choice") -> Grammar:
-        """A structural tag (xgrammar's format for "these literal strings around JSON of these schemas")."""
-        return self._cached("structural_tag", tag, param, lambda c, spec: c.compile_structural_tag(spec))
+        """A structural tag (xgrammar's format for "these literal strings around JSON of these schemas"); the
+        schemas inside it are checked by whoever builds it (app/openai/structured.py)."""
+        return self._compile("structural_tag", tag, param)
 
-    def _cached(self, kind: str, spec: dict[str, Any], param: str, compile_fn) -> Grammar:
-        key = kind + ":" + json.dumps(spec, sort_keys=True, ensure_ascii=False)
+    async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format") -> Grammar:
+        return await self._compile_async("json_schema", schema, param, check=True)
+
+    async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice") -> Grammar:
+        return await self._compile_async("structural_tag", tag, param, check=False)
+
+    async def _compile_async(self, kind: str, spec: dict[str, Any], param: str, check: bool) -> Grammar:
+        def lookup() -> tuple[str, Grammar | None]:  # a walk over the schema: cheap, but not for the event loop
+            if check:
+                check_schema(spec, param, limits=self.limits)
+            key = self._key(kind, spec)
+            return key, self._lookup(key, param)
+
+        key, grammar = await asyncio.to_thread(lookup)
+        if grammar is not None:  # a cached grammar never waits behind compiles
+            return grammar
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        compiler = self._get_compiler()
+            if self._pending >= self.limits.workers + self.limits.queue:
+                raise Overloaded(f"{self._pending} grammars are compiling or waiting to; retry shortly "
+                                 "(GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
+            self._pending += 1
         try:
-            compiled = compile_fn(compiler, json.dumps(spec, ensure_ascii=False))
-        except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for schemas it refuses
-            message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise InvalidRequest(f"cannot build a grammar from this {kind.replace('_', ' ')}: {message}",
-                                 param=param) from err
-        grammar = Grammar(compiled, self.vocab_size, kind)
+            return await asyncio.wrap_future(self._threads.submit(self._compile, kind, spec, param, key))
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    @staticmethod
+    def _key(kind: str, spec: dict[str, Any]) -> str:
+        # Exactly what is compiled: key order matters, since the grammar writes properties in the schema's order.
+        return kind + ":" + json.dumps(spec, ensure_ascii=False)
+
+    def _lookup(self, key: str, param: str) -> Grammar | None:
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is None:
+                return None
+            self._cache.move_to_end(key)
+        return grammar if grammar.param == param else replace(grammar, param=param)
+
+    def _compile(self, kind: str, spec: dict[str, Any], param: str, key: str | None = None) -> Grammar:
+        import xgrammar as xgr
+
+        key = key or self._key(kind, spec)
+        if (grammar := self._lookup(key, param)) is not None:
+            return grammar
+        with self._start_lock:  # not self._lock: the event loop takes that one, and this can take a second
+            if self._workers is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_ids)
+                self._workers = CompilePool(self._info.serialize_json(), self.limits.workers)
+        request = {"kind": kind, "spec": key.split(":", 1)[1], "max_whitespace": MAX_WHITESPACE}
+        what = kind.replace("_", " ")
+        try:
+            compiled = xgr.CompiledGrammar.deserialize_json(
+                self._workers.compile(request, self.limits.compile_timeout_s), self._info)
+        except CompileTimeout:
+            raise InvalidRequest(f"the {what} in `{param}` took longer than {self.limits.compile_timeout_s:g} s to "
+                                 "compile and was stopped; simplify it (GRAMMAR_COMPILE_TIMEOUT_S)", param=param,
+                                 code="grammar_too_complex") from None
+        except CompileFailed as err:
+            raise InvalidRequest(f"cannot build a grammar from the {what} in `{param}`: {library_message(err)}",
+                                 param=param) from None
+        grammar = Grammar(compiled, self.vocab_size, kind, param)
         with self._lock:
             self._cache[key] = grammar
-            while len(self._cache) > self.cache_size:
+            while len(self._cache) > self.cache_size or (
+                    len(self._cache) > 1 and sum(g.compiled.memory_size_bytes for g in self._cache.values())
+                    > self.cache_bytes):
                 self._cache.popitem(last=False)
         return grammar
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._workers is not None:
+            self._workers.close()
+
+
+def library_message(err: Exception) -> str:
+    """The grammar library's reason, without its source path and timestamp (`[12:00:00] /src/x.cc:42: ...`)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    message = _LIBRARY_PREFIX.sub("", lines[-1]) if lines else ""
+    return message or "the grammar library refused it"
+
+
+_LIBRARY_PREFIX = re.compile(r"^(\[[\d:. ]+\]\s*)?(\S+\.(cc|cpp|h|py):\d+:\s*)?")

@@ -208,7 +208,7 @@ class Engine:
         full_attention = keeps_all_keys(self.lm.model.config)
         if self.prefix_cache_bytes > 0 and full_attention:
             self.prefix_cache = PrefixCache(self.prefix_cache_bytes, budget=self.kv_budget)
-            self.kv_budget.add_reclaimer(self.prefix_cache.evict)
+            self.kv_budget.add_reclaimer(self.prefix_cache.evict, self.prefix_cache.reclaimable)
             self.metrics.prefix_cache_bytes.set_function(lambda: self.prefix_cache.bytes)
         if self.speculative != "off" and not (self.batch_decode and full_attention):
             log.info("speculative decoding is off: drafts are verified in the packed pass and cropped afterwards, "
@@ -259,6 +259,7 @@ class Engine:
         self._waiting = deque(h for h in self._waiting if h not in gone)
         for handle in gone:
             self.kv_budget.release(handle)
+            handle._deliver(DONE)  # whoever still iterates it (a failed choice's sibling, say) is not left waiting
             if handle.client_left:
                 self.metrics.cancellations.inc()
             else:
@@ -289,9 +290,12 @@ class Engine:
         if not handles:
             return
         log.error("generation failed for %s: %r", [h.request_id for h in handles], err)
+        # A ServeError is the request's own (its grammar reached a dead end, say) and says so; anything else is ours.
+        error = err if isinstance(err, ServeError) else GenerationFailed(f"generation failed: {type(err).__name__}: "
+                                                                         f"{err}")
         for handle in handles:
             self.metrics.finished.labels("error").inc()
-            self._finish(handle, GenerationFailed(f"generation failed: {type(err).__name__}: {err}"))
+            self._finish(handle, error)
 
     def _replace(self, handle: RequestHandle, seq: Sequence) -> None:
         with self._wake:

@@ -124,23 +124,27 @@ class Sequence:
 
     def choose(self, logits: torch.Tensor) -> TokenEvent:
         """logits: [1, vocab] raw scores for the next position -> the chosen token as an event."""
-        return choose_many([self], logits)[0]
+        event = choose_many([self], logits)[0]
+        if isinstance(event, Exception):
+            raise event
+        return event
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [1, vocab] -> the token [1], on the device: nothing waits for it."""
         self.stages = [] if self.params.inspect else None
-        if self.constrained and self._cheap_greedy_check(logits):
+        if not self.constrained:
+            return self._choose(logits)
+        self.grammar.fill()
+        if self.grammar.dead_end:  # nothing may follow: masking would leave only -inf, and sampling NaN
+            raise self.grammar.dead_end_error(self.n_generated)
+        if self._cheap_greedy_check(logits):
             # Greedy under a grammar, checked first the way llama.cpp does: if the best token is allowed it is
             # also the best allowed one (the mask only removes tokens, and the penalties are per token), so the
             # ~1 ms pass that masks 151,936 logits is spent only on the steps where the model's choice is refused.
-            self.grammar.fill()
             token = self._choose(logits)
             if self.grammar.allows(int(token)):
                 return token
-            return self._choose(self.grammar.apply(logits))
-        if self.constrained:
-            logits = self.grammar.mask(logits)  # tokens the grammar forbids become -inf before anything else
-        return self._choose(logits)
+        return self._choose(self.grammar.apply(logits))  # forbidden tokens become -inf before anything else
 
     def _cheap_greedy_check(self, logits: torch.Tensor) -> bool:
         # on a GPU the mask is one cheap kernel and reading the token back would be a sync: mask as usual there
@@ -193,8 +197,12 @@ class Sequence:
         return event
 
 
-def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None = None) -> list[TokenEvent]:
+def choose_many(seqs: Seq[Sequence], logits: torch.Tensor,
+                pool: Executor | None = None) -> list[TokenEvent | Exception]:
     """The next token for each sequence from logits [B, vocab], with one device-to-host transfer for all of them.
+
+    A row that cannot go on (its grammar allows no token, say) gets its exception in its place and no token, so
+    it ends only its own request: its neighbours' tokens are the same as without it.
 
     Rows that are plain greedy share one argmax; every other row runs its own processors and draws from its own
     generator (so a seeded request gets the same tokens alone or in any batch). Either way the chosen ids stay
@@ -209,16 +217,31 @@ def choose_many(seqs: Seq[Sequence], logits: torch.Tensor, pool: Executor | None
     forced = {row: token for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None}
     sampled = [row for row, seq in enumerate(seqs) if not seq.plain_greedy and row not in forced]
 
-    def pick(row: int) -> torch.Tensor:
-        return seqs[row].pick(logits[row : row + 1])
+    def pick(row: int) -> torch.Tensor | Exception:
+        try:
+            return seqs[row].pick(logits[row : row + 1])
+        except Exception as err:  # noqa: BLE001 - this row's failure is its own request's, not the batch's
+            return err
 
+    failed: dict[int, Exception] = {}
     picked = pool.map(pick, sampled) if pool is not None and len(sampled) > 1 else map(pick, sampled)
     for row, token in zip(sampled, picked):
-        tokens[row : row + 1] = token
+        if isinstance(token, Exception):
+            failed[row] = token
+        else:
+            tokens[row : row + 1] = token
     for row, token in forced.items():  # a spent thinking budget: these tokens come whatever the logits say
         tokens[row], seqs[row].stages = token, None  # not drawn, so nothing to inspect
-    return [seq.accept(token_id, logits[row : row + 1])
+    return [failed[row] if row in failed else accept_row(seq, token_id, logits[row : row + 1])
             for row, (seq, token_id) in enumerate(zip(seqs, tokens.tolist()))]
+
+
+def accept_row(seq: Sequence, token_id: int, logits: torch.Tensor) -> TokenEvent | Exception:
+    """`seq.accept`, with a failure returned for its own request rather than raised through the batch."""
+    try:
+        return seq.accept(token_id, logits)
+    except Exception as err:  # noqa: BLE001
+        return err
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ evicted mid-generation. Requests that do not fit yet wait in the queue; one that
 
 Anything else that keeps KV (a prefix cache) takes its bytes from the same budget with the same calls:
 `reserve(owner, nbytes)` and `release(owner)`. It can also register a reclaimer, which `reserve` calls to make
-room (evict) before it answers that a request must wait.
+room (evict) before it answers that a request must wait, but only when evicting would let the request in now.
 """
 
 from __future__ import annotations
@@ -71,23 +71,31 @@ class KVBudget:
         self.capacity = capacity
         self._held: dict[Hashable, int] = {}
         self._lock = threading.Lock()
-        self._reclaimers: list[Callable[[int], None]] = []
+        self._reclaimers: list[tuple[Callable[[int], object], Callable[[], int]]] = []
 
     @property
     def in_use(self) -> int:
         with self._lock:
             return sum(self._held.values())
 
-    def add_reclaimer(self, reclaim: Callable[[int], None]) -> None:
+    def add_reclaimer(self, reclaim: Callable[[int], object], reclaimable: Callable[[], int]) -> None:
         """`reclaim(nbytes)` is asked to release about that many bytes (through `release`) when a reservation
-        does not fit; it must not call `reserve`."""
-        self._reclaimers.append(reclaim)
+        does not fit; it must not call `reserve`. `reclaimable()` says how many it could release now."""
+        self._reclaimers.append((reclaim, reclaimable))
 
     def reserve(self, owner: Hashable, nbytes: int) -> bool:
-        """Add `nbytes` to what `owner` holds if it fits (after asking the reclaimers); False: nothing changed."""
-        for reclaim in [None, *self._reclaimers]:
-            if reclaim is not None:
-                reclaim(nbytes - (self.capacity - self.in_use))
+        """Add `nbytes` to what `owner` holds if it fits, asking the reclaimers to make room only when what they
+        could free would let it fit now; False: nothing changed (and nothing was evicted)."""
+        with self._lock:
+            if sum(self._held.values()) + nbytes <= self.capacity:
+                self._held[owner] = self._held.get(owner, 0) + nbytes
+                return True
+        # A request that cannot fit even after every eviction waits with the cache intact: admission asks again
+        # each step, and evicting on every ask would empty the cache for nothing, again and again.
+        if self.in_use - sum(reclaimable() for _, reclaimable in self._reclaimers) + nbytes > self.capacity:
+            return False
+        for reclaim, _ in self._reclaimers:
+            reclaim(nbytes - (self.capacity - self.in_use))
             with self._lock:
                 if sum(self._held.values()) + nbytes <= self.capacity:
                     self._held[owner] = self._held.get(owner, 0) + nbytes

@@ -137,6 +137,10 @@ class PrefixCache:
             freed += self._evict_one()
         return freed
 
+    def reclaimable(self) -> int:
+        """Bytes `evict` could free now (none while a block is being added)."""
+        return 0 if self._inserting else self.bytes
+
     def clear(self) -> None:
         self.evict(self.bytes)
 

@@ -38,6 +38,7 @@ from app.models.loading import LoadedModel
 
 log = logging.getLogger("app.core.engine")  # the engine's own log: one name for operators to follow
 Work = tuple[RequestHandle, Sequence, int, list[int]]  # a request, the tokens it feeds this step, its drafts
+Emitted = tuple[RequestHandle, Sequence, TokenEvent | Exception]  # a token, or why this request cannot go on
 
 
 def default_prefill_tokens_per_step(device: torch.device) -> int:
@@ -95,18 +96,26 @@ class StepRunner:
                     continue  # this step's prefill budget is spent; its turn comes next step
                 budget -= n
             else:
-                drafts = seq.drafter.propose(seq) if seq.drafter else []
+                try:
+                    drafts = seq.drafter.propose(seq) if seq.drafter else []
+                except Exception as err:  # noqa: BLE001 - one request's failure is its own
+                    self.fail([handle], err)
+                    continue
                 n = 1 + len(drafts)  # the newest token, then any drafts to verify
             work.append((handle, seq, n, drafts))
         groups = [work] if self.batch_decode and work else [[entry] for entry in work]
         for group in groups:
             for handle, seq, event in self._run_pass(group):
+                if isinstance(event, Exception):  # this request cannot go on; the others in its pass do
+                    self.fail([handle], event)
+                    continue
                 self.emit(handle, event)
                 if event.finish_reason:  # a later turn of this conversation starts with all of it
                     self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
 
-    def _run_pass(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
-        """One forward pass and the tokens it yields. If it fails, only its requests fail; after an out-of-memory
+    def _run_pass(self, group: list[Work]) -> list[Emitted]:
+        """One forward pass and the tokens it yields, or for a request that cannot go on (its grammar allows no
+        token, say) its error instead. If the pass itself fails, only its requests fail; after an out-of-memory
         error, its rows are first rolled back and retried in two halves, down to one row, before failing."""
         before = [(seq.length, cache_lengths(seq.cache)) for _, seq, *_ in group]
         try:
@@ -125,7 +134,7 @@ class StepRunner:
             half = (len(retry) + 1) // 2
             return self._run_pass(retry[:half]) + self._run_pass(retry[half:]) if retry else []
 
-    def _forward_and_choose(self, group: list[Work]) -> list[tuple[RequestHandle, Sequence, TokenEvent]]:
+    def _forward_and_choose(self, group: list[Work]) -> list[Emitted]:
         """One forward pass and the step's tokens. Its logits have one row per request, or 1 + k for a request
         verifying k drafts; single rows are chosen together, drafts are checked request by request."""
         logits = self._forward(group)
@@ -138,7 +147,11 @@ class StepRunner:
                 prompts_done += seq.prompt_len
                 self._remember(handle.prompt_ids, seq)
             if drafts:
-                verified, accepted = accept_drafts(seq, logits[rows], drafts)
+                try:
+                    verified, accepted = accept_drafts(seq, logits[rows], drafts)
+                except Exception as err:  # noqa: BLE001 - one request's failure is its own
+                    events.append((handle, seq, err))
+                    continue
                 self.metrics.draft_tokens.inc(len(drafts))
                 self.metrics.accepted_tokens.inc(accepted)
                 events += [(handle, seq, event) for event in verified]
@@ -174,8 +187,13 @@ class StepRunner:
             self.metrics.prefix_cache_hits.inc(handle.cached_tokens)
 
     def _remember(self, token_ids: list[int], seq: Sequence) -> None:
-        """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied)."""
-        if self.prefix_cache is not None:
+        """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied). A shortcut: if it
+        fails, the request's tokens are already right, so the failure is logged, never raised into the step."""
+        if self.prefix_cache is None:
+            return
+        try:
             self.prefix_cache.insert(token_ids, seq.cache)
-            self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
+        except Exception:  # noqa: BLE001
+            log.exception("the prefix cache could not keep a sequence; serving goes on without it")
+        self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
 

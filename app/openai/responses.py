@@ -120,7 +120,8 @@ class Answer:
     def usage(self) -> dict[str, Any]:
         output = self.choice.tokens if self.choice else 0
         reasoning = self.choice.reasoning_tokens if self.choice else 0
-        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+        cached = self.choice.handle.cached_tokens if self.choice else 0  # read from the prefix cache
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": self.input_tokens + output}
 

@@ -26,6 +26,7 @@ from app.models.loading import LoadedModel
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.core.constraints import Grammar, Grammars
+from app.core.schema_check import GrammarLimits
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
 from app.openai.structured import forced_tool_tag, response_schema
 from app.openai.tools import make_parser, tool_format
@@ -41,7 +42,8 @@ def error_body(err: ServeError) -> dict[str, Any]:
 
 
 class CompletionServing:
-    def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None):
+    def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
+                 grammar_limits: GrammarLimits = GrammarLimits()):
         self.engine = engine
         self.lm = lm
         self.model_id = model_id
@@ -50,7 +52,7 @@ class CompletionServing:
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
         self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
-        self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids)
+        self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -83,13 +85,14 @@ class CompletionServing:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
     async def grammar(self, body: ChatCompletionRequest) -> Grammar | None:
-        """The compiled constraint a chat request asks for, if any: compiled in a worker thread (tens of ms for a
-        new schema, a dict lookup for a cached one), never on the event loop."""
+        """The compiled constraint a chat request asks for, if any: compiled in a worker process with a deadline
+        (tens of ms for a typical new schema, a dict lookup for a cached one), never on the event loop."""
         if body.forced_tools:
-            tag = forced_tool_tag(self.tool_format, body.forced_tools, body.parallel_tool_calls)
-            return await asyncio.to_thread(self.grammars.structural_tag, tag)
+            tag = await asyncio.to_thread(forced_tool_tag, self.tool_format, body.forced_tools,
+                                          body.parallel_tool_calls, self.grammars.limits)
+            return await self.grammars.structural_tag_async(tag)
         if body.json_format:
-            return await asyncio.to_thread(self.grammars.json_schema, response_schema(body.response_format))
+            return await self.grammars.json_schema_async(response_schema(body.response_format))
         return None
 
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
@@ -152,18 +155,24 @@ class CompletionServing:
         record_timing(request, choices)
 
     async def _collect(self, choices: list[Choice], request: Request) -> None:
-        """Gather every choice's events, and give up (cancelling them) if the client disconnects."""
-        gather = asyncio.ensure_future(asyncio.gather(*(self._drain(c) for c in choices)))
-        while not gather.done():
-            await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
-            if not gather.done() and await request.is_disconnected():
-                gather.cancel()  # takes effect later: asking for its result now would raise InvalidStateError
-                # ...and once it has, nobody reads its CancelledError: asyncio would log "exception was never
-                # retrieved" for every client that left (seen in the soak)
-                gather.add_done_callback(lambda done: done.cancelled() or done.exception())
-                request.state.cancelled = True
-                return
-        gather.result()  # re-raise a mid-generation failure as its HTTP error
+        """Gather every choice's events, and give up (cancelling them) if the client disconnects. If one choice
+        fails, its error is raised at once and its siblings' tasks are cancelled here, never left pending."""
+        tasks = [asyncio.ensure_future(self._drain(c)) for c in choices]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                failed = next((t.exception() for t in done if not t.cancelled() and t.exception()), None)
+                if failed is not None:
+                    raise failed  # a mid-generation failure becomes its HTTP error
+                if not pending:
+                    return
+                if await request.is_disconnected():
+                    request.state.cancelled = True
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()  # no-op for finished ones
 
     async def _drain(self, choice: Choice) -> None:
         async for event in choice.handle:

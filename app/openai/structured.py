@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.core.constraints import MAX_WHITESPACE, check_schema
+from app.core.constraints import MAX_WHITESPACE
+from app.core.schema_check import GrammarLimits, check_schema
 from app.openai.tools.wire import ResponseFormat, Tool
 
 # Each call's text around its arguments, by tool-call format (see app/openai/tools/).
@@ -30,13 +31,13 @@ def response_schema(response_format: ResponseFormat) -> dict[str, Any]:
     return response_format.json_schema.schema_
 
 
-def forced_tool_tag(fmt: str, tools: list[Tool], parallel: bool) -> dict[str, Any]:
+def forced_tool_tag(fmt: str, tools: list[Tool], parallel: bool, limits: GrammarLimits) -> dict[str, Any]:
     """An xgrammar structural tag: one or more calls of the given tools and nothing else, then EOS."""
     begin, end, separator = CALL_SHAPES[fmt]
     tags = []
     for i, tool in enumerate(tools):
         schema = tool.function.parameters or {"type": "object"}
-        check_schema(schema, param=f"tools.{i}.function.parameters")
+        check_schema(schema, param=f"tools.{i}.function.parameters", limits=limits)
         tags.append({"type": "tag", "begin": begin.format(name=json.dumps(tool.function.name, ensure_ascii=False)),
                      "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
                      "end": end})

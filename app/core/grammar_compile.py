@@ -1,0 +1,144 @@
+"""Grammars compile in worker processes of their own, each compile with a deadline, so that no schema can cost
+unbounded CPU or hold up anything but other compiles.
+
+xgrammar's compile time has no static bound worth the name. Measured here on Qwen2.5's 151,936-token vocabulary
+(AMD EPYC Zen 5): 1,000 required properties took 17 s, `anyOf` over 500 small objects 47 s, and the pattern
+`((a{0,30}){0,30}){0,30}` 53 s, each from a body of a few KB. app/core/constraints.py refuses the known shapes
+(deep nesting, large repetition bounds) before any compile; this module bounds the rest in time. A thread cannot
+be stopped, but a process can: each compile runs in a child process that holds the tokenizer's tables, and past
+the deadline the child is killed (a new one starts for the next compile) and the caller gets `CompileTimeout`.
+
+The children are plain `python -m app.core.grammar_compile` processes that speak length-prefixed frames over their
+stdin and stdout: the serialized `TokenizerInfo` once, then one request and one answer per compile. A compiled
+grammar travels back serialized (~20 KB to a few MB, 10-70 ms to deserialize for Qwen's vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from typing import BinaryIO
+
+_HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
+OK, FAILED = b"\x00", b"\x01"
+
+
+class CompileTimeout(Exception):
+    """The compile ran past its deadline; its worker was killed."""
+
+
+class CompileFailed(Exception):
+    """The grammar library refused the spec; the message is the library's own."""
+
+
+def read_frame(stream: BinaryIO) -> bytes | None:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    return data if len(data) == size else None
+
+
+def write_frame(stream: BinaryIO, data: bytes) -> None:
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+class CompileWorker:
+    """One child process; one compile at a time (the pool hands each worker to one thread at a time)."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self._info = tokenizer_info_json.encode()
+        self._proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1")  # the child imports torch (through xgrammar): keep it small
+        proc = subprocess.Popen([sys.executable, "-m", "app.core.grammar_compile"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env)
+        write_frame(proc.stdin, self._info)
+        if read_frame(proc.stdout) != OK:  # it has loaded the tables and is ready
+            proc.kill()
+            raise RuntimeError(f"the grammar compile worker did not start (exit code {proc.wait()})")
+        return proc
+
+    def compile(self, request: dict, timeout_s: float) -> str:
+        """The serialized CompiledGrammar; CompileFailed for a refused spec, CompileTimeout past the deadline."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()  # not counted in the deadline: that is the compile's own time
+        proc = self._proc
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            write_frame(proc.stdin, json.dumps(request).encode())
+            answer = read_frame(proc.stdout)
+        except OSError:
+            answer = None
+        finally:
+            timer.cancel()
+        if answer is None:  # killed at the deadline (or died): the next compile starts a new worker
+            proc.kill()
+            proc.wait()
+            self._proc = None
+            raise CompileTimeout()
+        if answer[:1] == FAILED:
+            raise CompileFailed(answer[1:].decode(errors="replace"))
+        return answer[1:].decode()
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class CompilePool:
+    """`workers` child processes, started on first use; `compile` blocks until one is free and has answered."""
+
+    def __init__(self, tokenizer_info_json: str, workers: int):
+        self._idle: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
+        self._workers = [CompileWorker(tokenizer_info_json) for _ in range(workers)]
+        for worker in self._workers:
+            self._idle.put(worker)
+
+    def compile(self, request: dict, timeout_s: float) -> str:
+        worker = self._idle.get()
+        try:
+            return worker.compile(request, timeout_s)
+        finally:
+            self._idle.put(worker)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+
+
+def _serve() -> None:
+    """The child: load the tokenizer's tables, then compile what arrives until stdin closes."""
+    out = os.fdopen(os.dup(1), "wb")  # frames only: anything a library prints goes to stderr instead
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(read_frame(inp).decode())
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the parent caches, with a bound
+    write_frame(out, OK)
+    while (frame := read_frame(inp)) is not None:
+        request = json.loads(frame)
+        try:
+            if request["kind"] == "json_schema":
+                compiled = compiler.compile_json_schema(request["spec"], any_whitespace=True, strict_mode=False,
+                                                        max_whitespace_cnt=request["max_whitespace"])
+            else:
+                compiled = compiler.compile_structural_tag(request["spec"])
+            write_frame(out, OK + compiled.serialize_json().encode())
+        except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for specs it refuses
+            write_frame(out, FAILED + str(err).encode())
+
+
+if __name__ == "__main__":
+    _serve()
