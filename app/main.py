@@ -27,6 +27,7 @@ from app.state import ServerState
 
 log = logging.getLogger("app.access")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+REPEAT_S = 1.0  # the same signal again within this long is the same request to stop, delivered twice
 
 
 def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
@@ -186,15 +187,25 @@ class GracefulServer(uvicorn.Server):
         self.state = state
         self.drain_deadline: float | None = None
         self.flush_deadline: float | None = None
+        self.first_signal: tuple[int, float] | None = None  # the signal that started the drain, and when
         self.exit_code = 0
 
     def handle_exit(self, sig, frame) -> None:
+        now = time.monotonic()
+        if self.first_signal is not None and sig == self.first_signal[0] and now - self.first_signal[1] < REPEAT_S:
+            return  # one shutdown delivered twice: `make serve` forwards the SIGTERM its process group also got
         if self.drain_deadline is not None or sig == signal.SIGINT and self.should_exit:
             self.should_exit = self.force_exit = True
             return
         logging.getLogger("app").info("signal %s: draining for up to %.0f s", sig, self.state.settings.shutdown_grace_s)
+        self.first_signal = (sig, now)
         self.state.start_drain()
-        self.drain_deadline = time.monotonic() + self.state.settings.shutdown_grace_s
+        self.drain_deadline = now + self.state.settings.shutdown_grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's shutdown then, and its lifespan task dies with a traceback
+            await self.lifespan.shutdown()  # stops the engine: a step or two
 
     async def on_tick(self, counter: int) -> bool:
         if self.state.load_error:
