@@ -155,6 +155,27 @@ def test_special_tokens_are_not_streamed(tokenizer):
     assert "".join(deltas) + rest == decode(tokenizer, ids) == "Hi 你好"
 
 
+def test_a_long_run_of_skipped_special_tokens_costs_linear_work(tokenizer):
+    """With EOS ignored, a model can emit thousands of special tokens that show nothing; each add() used to decode
+    the whole growing run again (quadratic on the engine thread). Counted in decoded ids, not timed."""
+    decoded = []
+
+    class Counting:
+        all_special_ids = tokenizer.all_special_ids
+
+        def decode(self, ids, **kwargs):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    special = [tokenizer.eos_token_id]
+    for run in (1_000, 10_000):
+        decoded.clear()
+        ids = encode(tokenizer, "Hi ") + special * run + encode(tokenizer, "你好")
+        deltas, rest = stream(Counting(), ids)
+        assert "".join(deltas) + rest == "Hi 你好"
+        assert sum(decoded) < 100  # the window never holds the skipped ids
+
+
 # ---------------------------------------------------------------- stop strings
 
 

@@ -28,12 +28,17 @@ def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        # Ids that decode to nothing (skip_special_tokens) never enter the window: a long run of them (EOS ignored,
+        # say) would otherwise grow it without bound and make every add() decode all of them again.
+        self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] is already-released text, kept as context
         self.read_offset = len(self.ids)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly complete text (often "", while a character is still incomplete)."""
+        if token_id in self.skipped:
+            return ""
         self.ids.append(token_id)
         released = decode(self.tokenizer, self.ids[self.prefix_offset : self.read_offset])
         window = decode(self.tokenizer, self.ids[self.prefix_offset :])
