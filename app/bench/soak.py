@@ -15,7 +15,10 @@ Checks (the exit status is 1 when one fails):
   --server-pid, else from /metrics' process_resident_memory_bytes. The bytes the prefix cache holds at each sample
   (/metrics' simple_serve_prefix_cache_bytes) are taken out first: that cache fills by design, up to its own bound
   PREFIX_CACHE_BYTES, so its growth is not a leak. The raw RSS is reported too;
-- once the load stops, active sequences, queued requests and KV cache bytes in use go back to 0 (from /metrics).
+- once the load stops, active sequences, queued requests and KV cache bytes in use go back to 0 (from /metrics);
+- `/health` answered within `--health-p99-ms` (100 ms) at the 99th percentile throughout the load: probed every
+  `HEALTH_PROBE_S` from a thread of its own, so the soak's own busy event loop is not what is measured. A server
+  whose event loop stalls (per-token work on it, a lock held too long) fails this.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import json
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +41,7 @@ RSS_GROWTH_LIMIT = 0.05
 RSS_SAMPLE_S = 5.0
 SETTLE_S = 30.0  # how long the server may take to free everything after the load stops
 END_GRACE_S = 60.0  # how long requests running at the deadline may still take
+HEALTH_PROBE_S = 0.1
 # (kind, weight): the mix each worker draws from
 MIX = (("stream", 40), ("non_stream", 22), ("cancel", 12), ("timeout", 6), ("bad", 15), ("burst", 5))
 BAD_BODIES: list[tuple[str, dict | bytes]] = [
@@ -95,6 +100,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.tally = Tally()
         self.rss: list[tuple[float, int, int]] = []  # (seconds since start, RSS bytes, prefix cache bytes)
+        self.health_s: list[float] = []  # each /health probe's latency
         self.prompts = [build_prompt(self.rng.choice((16, 64, 200)), args.seed + i) for i in range(64)]
 
     def body(self, stream: bool, max_tokens: int) -> dict:
@@ -205,6 +211,19 @@ class Soak:
         rss = metrics.get("process_resident_memory_bytes")
         return None if rss is None else (int(rss), cached)
 
+    def probe_health(self, deadline: float) -> None:
+        """GET /health every HEALTH_PROBE_S until the deadline, recording each answer's latency (a failed probe
+        counts as its timeout)."""
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                try:
+                    client.get(self.base + "/health")
+                except httpx.HTTPError:
+                    pass
+                self.health_s.append(time.perf_counter() - started)
+                time.sleep(max(0.0, HEALTH_PROBE_S - (time.perf_counter() - started)))
+
     async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
         """/metrics as {name or name{labels}: value}."""
         return parse_samples((await client.get(self.base + "/metrics", timeout=10)).text)
@@ -217,7 +236,10 @@ class Soak:
             started = time.monotonic()
             deadline = started + args.minutes * 60
             workers = [asyncio.ensure_future(self.worker(client, deadline)) for _ in range(args.concurrency)]
+            probe = threading.Thread(target=self.probe_health, args=(deadline,), daemon=True)
+            probe.start()
             await self.sample_rss(client, started, deadline)
+            await asyncio.to_thread(probe.join)
             # requests still running at the deadline get END_GRACE_S to finish; the rest are cut (the client
             # leaves, as a cancel does), so --minutes bounds the run even on a server that has fallen far behind
             _, late = await asyncio.wait(workers, timeout=END_GRACE_S)
@@ -248,6 +270,8 @@ class Soak:
                          if k.startswith("simple_serve_requests_total{") and 'status="5' in k)
         rss = self.rss_growth()
         gauges = {name: after.get(name) for name in IDLE_GAUGES}
+        health = sorted(self.health_s)
+        health_p99 = health[min(len(health) - 1, int(0.99 * len(health)))] if health else None
         checks = {
             "no 5xx seen by clients": not any(s.startswith("5") for s in t.statuses),
             "no 5xx counted by the server": server_5xx == 0,
@@ -256,6 +280,8 @@ class Soak:
             f"RSS less the prefix cache grew < {RSS_GROWTH_LIMIT:.0%} from {rss['from_s']:.0f} s to the end":
                 rss["growth"] is not None and rss["growth"] < RSS_GROWTH_LIMIT,
             "active, queued and KV bytes back to 0": settled is not None,
+            f"/health p99 under {self.args.health_p99_ms:g} ms during the load":
+                health_p99 is not None and health_p99 * 1000 < self.args.health_p99_ms,
         }
         return {"config": {k: v for k, v in vars(self.args).items() if k != "func"}, "load_s": load_s,
                 "requests": t.sent, "statuses": t.statuses, "streams_ok": t.streams_ok,
@@ -264,7 +290,11 @@ class Soak:
                 "cut_at_end": t.cut_at_end,
                 "completion_tokens": t.completion_tokens, "server_5xx": server_5xx, "rss": rss,
                 "idle_gauges_after": gauges, "kv_gauge_exposed": KV_GAUGE in after,
-                "settled_s": settled, "failures": t.failures, "checks": checks, "ok": all(checks.values())}
+                "settled_s": settled, "health": {"probes": len(health), "p50_ms": 1000 * health[len(health) // 2]
+                                                 if health else None,
+                                                 "p99_ms": None if health_p99 is None else 1000 * health_p99,
+                                                 "max_ms": 1000 * health[-1] if health else None},
+                "failures": t.failures, "checks": checks, "ok": all(checks.values())}
 
     def rss_growth(self) -> dict:
         if not self.rss:
@@ -306,6 +336,10 @@ def print_report(r: dict) -> None:
     kv = "" if r["kv_gauge_exposed"] else f" ({KV_GAUGE} not exposed by this server: not checked)"
     settled = "never" if r["settled_s"] is None else f"{r['settled_s']:.1f} s"
     print(f"  after the load        {r['idle_gauges_after']}, settled in {settled}{kv}")
+    h = r["health"]
+    if h["probes"]:
+        print(f"  /health               {h['probes']} probes: p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms, "
+              f"max {h['max_ms']:.1f} ms")
     for name, ok in r["checks"].items():
         print(f"  [{'ok' if ok else 'FAIL'}] {name}")
     for failure in r["failures"][:10]:
@@ -320,6 +354,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=96, help="requests sent at once in a burst (past the queue cap)")
     parser.add_argument("--server-pid", type=int, default=None, help="read the server's RSS from /proc/PID")
     parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout of patient clients, s")
+    parser.add_argument("--health-p99-ms", type=float, default=100.0, help="the /health latency the server must "
+                        "keep at the 99th percentile during the load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/soak-<timestamp>.json)")
 
