@@ -88,6 +88,9 @@ def test_tools_reach_the_prompt_and_the_answer_is_well_formed(hermes_server):
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [  # deeper than json's stack: was a 500
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
 ])
 def test_bad_tool_requests_get_a_400_naming_the_parameter(hermes_server, extra, param):
