@@ -84,7 +84,9 @@ class HermesToolParser(ToolCallParser):
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         if self.state == "json":
             return self.json_habit.feed(text)
-        if self.state == "function" or self.done:
+        if self.done:  # parallel_tool_calls=false and the call is out: the rest is neither shown nor kept
+            return []
+        if self.state == "function":
             self.held.append(text)
             return []
         if self.state == "start":
