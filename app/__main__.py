@@ -1,4 +1,4 @@
-"""`python -m app serve | generate | fetch-model | bench generate | serve | compare | grammar`."""
+"""`python -m app serve | generate | fetch-model | bench generate | serve | compare | grammar | tools | ...`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # the benchmarks are optional leaves of the CLI
     from app.bench import (compare as bench_compare, generate as bench_generate, grammar as bench_grammar,
                            quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts,
-                           soak as bench_soak)
+                           soak as bench_soak, tools as bench_tools)
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_shortcuts.add_arguments(bench_kinds.add_parser("shortcuts", help="prefix cache and n-gram speculation, "
                                                          "on against off"))
     bench_grammar.add_arguments(bench_kinds.add_parser("grammar", help="structured output: engines and cost"))
+    bench_tools.add_arguments(bench_kinds.add_parser("tools", help="tool-call parsing: total and worst per token"))
     bench_soak.add_arguments(bench_kinds.add_parser("soak", help="a long mixed load, then checks that the server "
                                                     "held up (exit 1 if not)"))
 
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_shortcuts.run(args)
         elif args.bench_command == "grammar":
             bench_grammar.run(args)
+        elif args.bench_command == "tools":
+            bench_tools.run(args)
         elif args.bench_command == "soak":
             return bench_soak.run(args)
         else:

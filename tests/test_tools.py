@@ -93,15 +93,16 @@ def test_streamed_arguments_keep_their_closing_braces():  # vLLM 22885
     assert json.loads(joined) == args and joined.endswith("]}}}")
 
 
-def test_arguments_stream_in_fragments_before_the_call_ends():
+def test_a_call_goes_out_whole_once_its_json_is_known_good():  # issue 20: a streamed call cannot be taken back
     text = call("get_weather", {"city": "Paris", "days": 3})
     parser = HermesToolParser(TOOLS)
     seen = []
-    for ch in text[: text.index("3")]:
+    for ch in text[:-1]:
         seen += parser.feed(ch)
-    firsts = [d for d in seen if isinstance(d, ToolCallDelta) and d.id]
-    assert firsts and firsts[0].name == "get_weather"  # the name is out before the arguments end
-    assert "".join(d.arguments for d in seen if isinstance(d, ToolCallDelta)).startswith('{"city": "Paris"')
+    assert seen == []  # nothing of the call before its closing tag: it could still turn out to be no call
+    first, args = parser.feed(text[-1])
+    assert first.name == "get_weather" and first.id.startswith("call_") and json.loads(args.arguments) == {
+        "city": "Paris", "days": 3}
 
 
 @settings(max_examples=150, deadline=None)
@@ -155,8 +156,9 @@ def test_json_that_is_not_a_call_stays_content():
 
 def test_code_fence_that_is_not_json_streams_at_once():
     parser = JsonToolParser(TOOLS)
-    assert parser.feed("```py") == []
-    assert parser.feed("thon\nx = 1") == ["```python\nx = 1"]
+    assert parser.feed("```js") == []  # could still be ```json
+    assert parser.feed("x") == ["```jsx"]  # cannot: no need to wait for the end of the line
+    assert parser.feed("\nx = 1") == ["\nx = 1"]
 
 
 def test_classify_start():

@@ -88,6 +88,9 @@ def test_tools_reach_the_prompt_and_the_answer_is_well_formed(hermes_server):
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [  # deeper than json's stack: was a 500
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
 ])
 def test_bad_tool_requests_get_a_400_naming_the_parameter(hermes_server, extra, param):
@@ -148,3 +151,67 @@ def test_streamed_chunks_have_openai_shape_and_match_the_whole_answer(hermes_lm)
 def test_a_call_cut_by_max_tokens_keeps_finish_reason_length(hermes_lm):
     choice, _ = _run(['<tool_call>\n{"name": "get_weather", "arguments": {"ci'], "length", hermes_lm)
     assert choice.finish_reason == "length"
+
+
+# ---- broken calls over HTTP: a scripted model writes them, the answer is content and the request ends well ----
+
+BROKEN_ANSWERS = [
+    '{"name": "f\\q", "arguments": {}}',  # item 6: a bad escape in the name made json.loads raise
+    '{"name": "\\u12", "arguments": {}}',
+    '{"name": "get_weather", "arguments": {"a": 1,}}',  # item 4: arguments that are not JSON
+    "{\"name\": \"get_weather\", \"arguments\": {'a': 1}}",
+    '{"name": "get_weather", "arguments": {"a": True}}',
+]
+
+
+def scripted_server(answer_tokens: list[str]) -> ThreadServer:
+    """A server whose model greedily writes `answer_tokens` (each one added token) after the generation prompt."""
+    from app.config import Settings
+    from app.main import create_app
+    from tokenizers import AddedToken
+
+    from test_reasoning import qwen3_tokenizer, scripted_lm
+
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = HERMES_TEMPLATE  # Qwen2.5's shape: no thinking to take the answer for
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in answer_tokens])
+    lm = scripted_lm(tokenizer, ["\n", *answer_tokens, "<|im_end|>"])
+    return ThreadServer(create_app(Settings(model="qwen3-tiny"), lm=lm))
+
+
+def ask(server: ThreadServer, stream: bool):
+    request = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
+               "temperature": 0, "max_tokens": 12, "stream": stream}
+    if not stream:
+        return httpx.post(server.url + CHAT, json=request, timeout=30)
+    with httpx.stream("POST", server.url + CHAT, json=request, timeout=30) as r:
+        return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("call", BROKEN_ANSWERS)
+def test_a_broken_call_comes_back_as_content_streamed_and_not(call):
+    tokens = ["<tool_call>", "\n" + call + "\n", "</tool_call>", " Done."]
+    text = "".join(tokens)
+    with scripted_server(tokens) as server:
+        r = ask(server, stream=False)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "stop"
+
+        status, lines = ask(server, stream=True)
+        assert status == 200 and lines[-1] == "[DONE]"
+        chunks = [json.loads(line) for line in lines[:-1]]
+        assert not any("error" in c for c in chunks)
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("content") or "" for d in deltas) == text
+        assert not any("tool_calls" in d for d in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_scripted_model_does_make_a_call_when_the_json_is_good():  # the control for the test above
+    tokens = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"]
+    with scripted_server(tokens) as server:
+        choice = ask(server, stream=False).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}

@@ -10,12 +10,23 @@ Both parsers also accept the habits of small coder models that ignore the tag wh
 inside a ```json fence; Hermes also takes llama.cpp's `<function=name>{...}</function>`.
 
 A parser is fed text deltas and returns what may be shown: `str` for content, `ToolCallDelta` for calls. The
-non-streamed answer runs the very same parser over the whole text (`parse_tool_calls`), so joined streamed argument
-fragments always equal the non-streamed arguments. As with stop strings, a tail that could still become a tag is
-held back, so neither the tag nor its start ever reaches content. Content is the text before the first call; text
-between or after calls is dropped (as vLLM does). Arguments are the model's own JSON text for the arguments object,
-found by brace matching that knows about strings, so a literal `</tool_call>` inside an argument string does not end
-the call (vLLM 45167) and `{}` stays `{}` (vLLM 28806).
+non-streamed answer runs the very same parser over the whole text (`parse_tool_calls`), so a streamed answer always
+equals the non-streamed one. As with stop strings, a tail that could still become a tag is held back, so neither
+the tag nor its start ever reaches content. Content is the text before the first call; text between or after calls
+is dropped (as vLLM does).
+
+A call is a call only if its JSON is valid (strict: no trailing commas, single quotes, True, NaN) and its arguments
+are an object; otherwise the model's text stays content, streamed or not, and finish_reason stays "stop". So a
+call is held back until it is complete and checked, then sent whole: the first delta carries id and name, the
+second all the arguments. Peers stream arguments as they come and cannot take back a call that turns out broken:
+vLLM's Hermes parser then sends whatever it had (vLLM 21544, 10395); llama.cpp constrains a Hermes call with a
+lazy grammar from `<tool_call>` on, so its calls are well-formed, and makes a call that fails the final parse
+content. We constrain only forced calls, so we hold back instead. Holding back costs a client the live view of a long call's arguments; it never changes what the
+client ends up with, and a call is only actionable once complete anyway. Arguments are the model's own text for
+the arguments object (so `{}` stays `{}`, vLLM 28806, and 1.10 stays 1.10). The end of a call is found by a scan
+that knows JSON strings, so a literal `</tool_call>` inside an argument string does not end it (vLLM 45167); that
+scan keeps its state between tokens, so parsing is linear in the answer (`python -m app bench tools`). Nothing in
+the model's text can make a parser raise: every decode of it is guarded, deep nesting included.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""What every tool-call parser shares: the delta it emits, the base class, and string-aware JSON scanning."""
+"""What every tool-call parser shares: the delta it emits, the base class, strict JSON decoding of the model's text
+that cannot raise anything but ValueError, and an incremental string-aware tag search."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -38,50 +40,108 @@ def call_from_json(obj: Any, tool_names: frozenset[str]) -> tuple[str, str] | No
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models encode the arguments object as a string
         try:
-            args = json.loads(args)
+            args = loads_model_json(args)
         except ValueError:
             return None
     if not isinstance(args, dict) or (tool_names and obj["name"] not in tool_names):
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    try:
+        return obj["name"], json.dumps(args, ensure_ascii=False)
+    except RecursionError:  # nested deeper than the encoder's stack allows: not a call we can pass on
+        return None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
-def outside_strings(text: str, start: int = 0) -> Iterator[tuple[int, str]]:
-    """Each (index, character) of text[start:] that is neither inside a JSON string nor one of its quotes."""
-    in_string, escaped = False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        else:
-            yield i, ch
+# Strict JSON: Python's decoder also reads NaN and Infinity, which no JSON client can.
+DECODER = json.JSONDecoder(parse_constant=_no_constant)
+WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's four
 
 
-def value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array starting at text[start] ends (exclusive), or None if it is not complete yet."""
-    depth = 0
-    for i, ch in outside_strings(text, start):
-        if ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+def loads_model_json(text: str) -> Any:
+    """json.loads for the model's text: any way it can fail is a ValueError, so one `except` covers it. (Nesting
+    deeper than the decoder's stack raises RecursionError, which is no ValueError.)"""
+    try:
+        return DECODER.decode(text)
+    except RecursionError as err:
+        raise ValueError("JSON nested too deeply") from err
 
 
-def find_outside_strings(text: str, needle: str) -> int:
-    """The first `needle` in `text` that is not inside a JSON string, or -1."""
-    return next((i for i, _ in outside_strings(text) if text.startswith(needle, i)), -1)
+def object_members(text: str) -> dict[str, tuple[Any, str]]:
+    """The members of the one JSON object that `text` is (whitespace aside): key -> (value, the value's own text).
+    ValueError if `text` is anything else. Each value is decoded once, by json's C scanner: linear in the text."""
+    def skip(i: int) -> int:
+        return WHITESPACE.match(text, i).end()
+
+    i = skip(0)
+    if text[i:i + 1] != "{":
+        raise ValueError("not a JSON object")
+    members: dict[str, tuple[Any, str]] = {}
+    i = skip(i + 1)
+    if text[i:i + 1] == "}":
+        i += 1
+    else:
+        while True:
+            if text[i:i + 1] != '"':
+                raise ValueError(f"expected a key at {i}")
+            key, i = DECODER.raw_decode(text, i)
+            i = skip(i)
+            if text[i:i + 1] != ":":
+                raise ValueError(f"expected ':' at {i}")
+            start = skip(i + 1)
+            try:
+                value, end = DECODER.raw_decode(text, start)
+            except RecursionError as err:
+                raise ValueError("JSON nested too deeply") from err
+            members[key] = (value, text[start:end])
+            i = skip(end)
+            if text[i:i + 1] == ",":
+                i = skip(i + 1)
+            elif text[i:i + 1] == "}":
+                i += 1
+                break
+            else:
+                raise ValueError(f"expected ',' or '}}' at {i}")
+    if skip(i) != len(text):
+        raise ValueError("extra data after the object")
+    return members
+
+
+class TagOutsideStrings:
+    """Finds `tag` outside JSON strings in text that arrives piece by piece. The state (inside a string, after a
+    backslash, how much of the tag is matched) carries over between pieces, so each character is looked at once
+    however the text is split: a call's body is never rescanned (issue 20: it was, on every token)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.in_string = self.escaped = False
+        self.matched = 0  # characters of the tag matched at the end of what was fed
+
+    def feed(self, text: str) -> int:
+        """The offset in `text` just past the tag, or -1 if it has not appeared yet."""
+        tag, last = self.tag, len(self.tag) - 1
+        in_string, escaped, matched = self.in_string, self.escaped, self.matched
+        found = -1
+        for i, ch in enumerate(text):
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == tag[matched]:
+                if matched == last:
+                    found, matched = i + 1, 0
+                    break
+                matched += 1
+            else:  # the tag's first character appears nowhere else in it, so a mismatch restarts from scratch
+                matched = 1 if ch == tag[0] else 0
+                in_string = ch == '"'
+        self.in_string, self.escaped, self.matched = in_string, escaped, matched
+        return found
 
 
 class ToolCallParser:

@@ -1,74 +1,71 @@
 """Hermes style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more (Qwen2.5, Qwen3).
 
-Arguments stream as the model writes them once the call has shown its name; a call in any other shape is parsed
-whole when it closes. A bare JSON answer goes to the JSON parser; llama.cpp's `<function=name>{...}</function>`
-is parsed at the end."""
+A call is held back until its closing tag (or the end of the answer), then parsed once: only a body that is one
+JSON object naming an offered tool, with an object for arguments, goes out as a call; anything else is the model's
+text and stays content, streamed or not. Nothing of a call is sent before it is known good, because a streamed call
+cannot be taken back (the package's docstring says why this and not vLLM's way). The closing tag is found by a
+scan that knows JSON strings and keeps its state between tokens, so each character is scanned once. A bare JSON
+answer goes to the JSON parser; llama.cpp's `<function=name>{...}</function>` is parsed at the end."""
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 
 from app.openai.tools.base import (
-    ToolCallDelta, ToolCallParser, call_from_json, find_outside_strings, new_call_id, value_end,
+    TagOutsideStrings, ToolCallDelta, ToolCallParser, call_from_json, loads_model_json, new_call_id, object_members,
 )
-from app.openai.tools.json_calls import JsonToolParser, classify_start
+from app.openai.tools.json_calls import JsonToolParser, StartOfAnswer
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-FUNCTION_OPEN = "<function="  # llama.cpp's lenient form: <function=name>{...}</function>
-FUNCTION_RE = re.compile(r"<function=([^>\s]+)>\s*(.*?)\s*(?:</function>|$)", re.DOTALL)
-# The fast path that streams arguments as they come: the call starts with its name, then "arguments".
-HEAD_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"  # llama.cpp's lenient form: <function=name>{...}</function>
 
 
 @dataclass
 class _Call:
-    """One `<tool_call>` body as it arrives."""
+    """One `<tool_call>` body as it arrives: kept in pieces (joined once, at the end) while the tag is looked for."""
 
     index: int
     tool_names: frozenset[str]
-    body: str = ""
-    id: str = field(default_factory=new_call_id)
-    named: bool = False  # the first delta (id, name) is out
-    args_start: int | None = None
-    args_sent: int = 0  # characters of body[args_start:] already sent
-    args_done: bool = False
+    pieces: list[str] = field(default_factory=list)
+    end_tag: TagOutsideStrings = field(default_factory=lambda: TagOutsideStrings(CLOSE))
+    body: str = ""  # the whole body, once it has ended
 
-    def feed(self, text: str) -> list[ToolCallDelta]:
-        """Stream the name once known and argument text as it grows (only on the `{"name", "arguments": {` path)."""
-        self.body += text
-        out: list[ToolCallDelta] = []
-        if not self.named:
-            head = HEAD_RE.match(self.body)
-            if head is None or head.end() >= len(self.body) or self.body[head.end()] != "{":
-                return out  # not (yet) the streamable shape; close() parses the whole call
-            name = json.loads(f'"{head.group(1)}"')
-            if self.tool_names and name not in self.tool_names:
-                return out
-            self.named, self.args_start = True, head.end()
-            out.append(ToolCallDelta(self.index, id=self.id, name=name))
-        if not self.args_done:
-            end = value_end(self.body, self.args_start)
-            self.args_done = end is not None
-            upto = end if end is not None else len(self.body)
-            if upto > self.args_start + self.args_sent:
-                out.append(ToolCallDelta(self.index, self.body[self.args_start + self.args_sent: upto]))
-                self.args_sent = upto - self.args_start
-        return out
+    def feed(self, text: str) -> int:
+        """Take the next piece of the body; the offset in `text` just past the closing tag, or -1 if not there yet."""
+        end = self.end_tag.feed(text)
+        self.pieces.append(text if end < 0 else text[:end])
+        if end >= 0:
+            self.body = "".join(self.pieces)[: -len(CLOSE)]
+        return end
 
-    def close(self) -> list[ToolCallDelta] | None:
-        """The call's text is over: whatever is left to send, or None if it is no call (then it is content)."""
-        if self.named:  # name and arguments are out; only the wrapper's closing brace remained
-            return []
-        try:
-            call = call_from_json(json.loads(self.body), self.tool_names)
-        except ValueError:
-            call = None
+    def close(self, complete: bool) -> list[ToolCallDelta] | None:
+        """The call's text is over: its two deltas (id and name, then the arguments), or None if it is no call."""
+        if not complete:
+            self.body = "".join(self.pieces)
+        call = parse_body(self.body, self.tool_names)
         if call is None:
             return None
-        self.named = True
-        return [ToolCallDelta(self.index, id=self.id, name=call[0]), ToolCallDelta(self.index, call[1])]
+        call_id = new_call_id()
+        return [ToolCallDelta(self.index, id=call_id, name=call[0]), ToolCallDelta(self.index, call[1])]
+
+
+def parse_body(body: str, tool_names: frozenset[str]) -> tuple[str, str] | None:
+    """A call's body -> (name, arguments as the model wrote them), or None unless it is one JSON object with a
+    string name (an offered tool's, when tools are named) and an object for arguments (or a string holding one)."""
+    try:
+        members = object_members(body)
+    except ValueError:
+        return None
+    name = members.get("name", (None, ""))[0]
+    args, raw = members.get("arguments") or members.get("parameters") or ({}, "{}")
+    if isinstance(args, str):  # some models encode the arguments object as a string
+        try:
+            args, raw = loads_model_json(args), args.strip()
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not isinstance(args, dict) or (tool_names and name not in tool_names):
+        return None
+    return name, raw
 
 
 class HermesToolParser(ToolCallParser):
@@ -77,7 +74,9 @@ class HermesToolParser(ToolCallParser):
     def __init__(self, tool_names=(), parallel: bool = True):
         super().__init__(tool_names, parallel)
         self.state = "start"  # start -> text -> call -> between -> call ... | json (bare JSON habit) | function
-        self.pending = ""  # text not yet shown or not yet understood
+        self.start: StartOfAnswer | None = StartOfAnswer()
+        self.pending = ""  # text not yet shown: a tail that could still become a tag (a few characters at most)
+        self.held: list[str] = []  # "function": the rest of the answer, parsed at the end
         self.call: _Call | None = None
         self.json_habit = JsonToolParser(tool_names, parallel)
         self.done = False  # parallel_tool_calls=false: the first call is complete, ignore the rest
@@ -85,18 +84,21 @@ class HermesToolParser(ToolCallParser):
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         if self.state == "json":
             return self.json_habit.feed(text)
-        if self.state == "function" or self.done:
-            self.pending += text
+        if self.done:  # parallel_tool_calls=false and the call is out: the rest is neither shown nor kept
             return []
-        self.pending += text
+        if self.state == "function":
+            self.held.append(text)
+            return []
         if self.state == "start":
-            kind = classify_start(self.pending)
+            kind = self.start.feed(text)
             if kind is None:
                 return []
+            text, self.start = self.start.text(), None
             if kind == "json":
-                self.state, text, self.pending = "json", self.pending, ""
+                self.state = "json"
                 return self.json_habit.feed(text)
             self.state = "text"
+        self.pending += text
         return self._advance()
 
     def _advance(self) -> list[str | ToolCallDelta]:
@@ -108,7 +110,7 @@ class HermesToolParser(ToolCallParser):
                 if func >= 0 and (at < 0 or func < at):
                     if self.state == "text" and func > 0:
                         out.append(self.pending[:func])
-                    self.state, self.pending = "function", self.pending[func:]
+                    self.state, self.held, self.pending = "function", [self.pending[func:]], ""
                     return out
                 if at < 0:  # hold back a tail that could still grow into a tag
                     hold = _tag_prefix_len(self.pending)
@@ -120,26 +122,22 @@ class HermesToolParser(ToolCallParser):
                     out.append(self.pending[:at])
                 self.call = _Call(self.calls, self.tool_names)
                 self.calls += 1
-                self.state, rest, self.pending = "call", self.pending[at + len(OPEN):], ""
-                out += self.call.feed(rest)
-            else:  # "call": the body so far is in self.call.body
-                if self.pending:
-                    out += self.call.feed(self.pending)
-                    self.pending = ""
-                end = find_outside_strings(self.call.body, CLOSE)
+                self.state, self.pending = "call", self.pending[at + len(OPEN):]
+            else:  # "call": each new character goes to the call's tag search once, never rescanned
+                end = self.call.feed(self.pending)
                 if end < 0:
+                    self.pending = ""
                     return out
-                after = self.call.body[end + len(CLOSE):]
-                self.call.body = self.call.body[:end]
+                after, self.pending = self.pending[end:], ""
                 out += self._close_call(complete=True)
-                self.state, self.pending = "between", after
-                if not self.parallel and self.call is None and self.calls:
+                self.state, self.pending = ("between" if self.calls else "text"), after
+                if not self.parallel and self.calls:
                     self.done = True
                     return out
 
     def _close_call(self, complete: bool) -> list[str | ToolCallDelta]:
         call, self.call = self.call, None
-        deltas = call.close()
+        deltas = call.close(complete)
         if deltas is not None:
             return deltas
         self.calls -= 1  # not a call after all: show it as the model wrote it, if nothing came before
@@ -149,27 +147,41 @@ class HermesToolParser(ToolCallParser):
     def finish(self) -> list[str | ToolCallDelta]:
         if self.state == "json":
             return self.json_habit.finish()
+        if self.state == "start":
+            rest, self.start = self.start.text(), None
+            return [rest] if rest else []
         if self.state == "function":
-            calls = [(name, args) for name, args in FUNCTION_RE.findall(self.pending)]
-            parsed = [call_from_json({"name": name, "arguments": json.loads(args) if _is_json(args) else None},
-                                      self.tool_names) for name, args in calls]
-            if parsed and all(parsed):
-                return self._whole_calls(parsed)
-            return [self.pending] if self.calls == 0 else []
+            text, self.held = "".join(self.held), []
+            calls = function_calls(text, self.tool_names)
+            if calls:
+                return self._whole_calls(calls)
+            return [text] if self.calls == 0 else []
         if self.state == "call":
             return self._close_call(complete=False)
-        if self.state in ("start", "text") and self.pending:
+        if self.state == "text" and self.pending:
             rest, self.pending = self.pending, ""
             return [rest]
         return []
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+def function_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, str]] | None:
+    """llama.cpp's `<function=name>{...}</function>` calls (the last one may lack its closing tag), if every one
+    names an offered tool with an object for arguments; else None. Split by the tags, not matched by a regex: a
+    lazy match before optional whitespace backtracks over long runs of blanks."""
+    calls = []
+    for part in text.split(FUNCTION_OPEN)[1:]:
+        name, bracket, rest = part.partition(">")
+        if not bracket or not name or any(ch.isspace() for ch in name):
+            return None
+        args = rest.split(FUNCTION_CLOSE, 1)[0]
+        try:
+            call = call_from_json({"name": name, "arguments": loads_model_json(args)}, tool_names)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 def _tag_prefix_len(text: str) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from app.openai.tools.base import ToolCallDelta, ToolCallParser, call_from_json
+from app.openai.tools.base import ToolCallDelta, ToolCallParser, call_from_json, loads_model_json
 
 FENCE_RE = re.compile(r"^```(?:json)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
 
@@ -18,12 +18,17 @@ def json_habit_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, s
     if fence := FENCE_RE.match(text):
         text = fence.group(1).strip()
     try:
-        obj = json.loads(text)
+        obj = loads_model_json(text)
     except ValueError:
         return None
     items = obj if isinstance(obj, list) else [obj]
     calls = [call_from_json(item, tool_names) for item in items]
     return calls if calls and all(calls) else None
+
+
+# A fence that has not shown its first value after this many characters is taken for text: the answer's start is
+# then never rescanned for more than this (a model writing endless blank lines inside a fence costs nothing).
+UNDECIDED_MAX = 256
 
 
 def classify_start(text: str) -> str | None:
@@ -33,15 +38,39 @@ def classify_start(text: str) -> str | None:
         return None
     if text[0] in "{[":
         return "json"
-    if "```".startswith(text[:3]):
-        if len(text) < 3 or "\n" not in text:
-            return None
-        info, _, rest = text[3:].partition("\n")
-        if info.strip() not in ("", "json"):
-            return "text"
-        rest = rest.lstrip()
-        return None if not rest else ("json" if rest[0] in "{[" else "text")
-    return "text"
+    if not "```".startswith(text[:3]):
+        return "text"
+    if len(text) > UNDECIDED_MAX:
+        return "text"
+    if len(text) < 3:
+        return None
+    info, newline, rest = text[3:].partition("\n")
+    if not newline:
+        return None if "json".startswith(info.strip()) else "text"
+    if info.strip() not in ("", "json"):
+        return "text"
+    rest = rest.lstrip()
+    return None if not rest else ("json" if rest[0] in "{[" else "text")
+
+
+class StartOfAnswer:
+    """The answer's first characters, gathered until `classify_start` can tell. Leading whitespace is set aside as
+    it comes, so a model that writes many blank lines first is not rescanned for them on every token."""
+
+    def __init__(self):
+        self.blank: list[str] = []  # leading whitespace
+        self.head = ""  # from the first other character on; at most about UNDECIDED_MAX before a decision
+
+    def feed(self, text: str) -> str | None:
+        if not self.head:
+            stripped = text.lstrip()
+            self.blank.append(text[: len(text) - len(stripped)])
+            text = stripped
+        self.head += text
+        return classify_start(self.head)
+
+    def text(self) -> str:
+        return "".join(self.blank) + self.head
 
 
 class JsonToolParser(ToolCallParser):
@@ -51,22 +80,29 @@ class JsonToolParser(ToolCallParser):
 
     def __init__(self, tool_names=(), parallel: bool = True):
         super().__init__(tool_names, parallel)
-        self.buffer = ""
+        self.start: StartOfAnswer | None = StartOfAnswer()
+        self.held: list[str] = []  # a maybe-call, joined once at the end
         self.mode: str | None = None  # None: undecided, "text": plain content, "json": maybe a call
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         if self.mode == "text":
             return [text] if text else []
-        self.buffer += text
-        self.mode = classify_start(self.buffer)
+        if self.mode == "json":
+            self.held.append(text)
+            return []
+        self.mode = self.start.feed(text)
+        if self.mode is None:
+            return []
+        seen, self.start = self.start.text(), None
         if self.mode == "text":
-            out, self.buffer = self.buffer, ""
-            return [out]
+            return [seen]
+        self.held.append(seen)
         return []
 
     def finish(self) -> list[str | ToolCallDelta]:
-        text, self.buffer = self.buffer, ""
+        text = self.start.text() if self.start is not None else "".join(self.held)
+        self.start, self.held = None, []
         calls = json_habit_calls(text, self.tool_names) if self.mode != "text" else None
         if calls:
             return self._whole_calls(calls)
-        return [text] if text else []
+        return [text] if text and self.mode != "text" else []

@@ -64,7 +64,7 @@ def template_tool_calls(calls: list[ToolCall], where: str) -> list[dict[str, Any
     for j, call in enumerate(calls):
         try:
             arguments = json.loads(call.function.arguments or "{}")
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # nesting deeper than the decoder's stack: RecursionError
             raise InvalidRequest(f"tool call arguments are not valid JSON: {err}",
                                  param=f"{where}.tool_calls.{j}.function.arguments") from err
         out.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
