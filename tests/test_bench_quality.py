@@ -1,5 +1,5 @@
 """`python -m app bench quality` end to end on the tiny model: every variant loads (fp32 reference, bf16, int8
-dynamic, int8 weight-only), and the report holds the figures the README quotes."""
+dynamic, int8 weight-only), and the report holds the figures docs/performance.md quotes."""
 
 from __future__ import annotations
 

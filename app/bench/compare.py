@@ -6,7 +6,7 @@ and dtype, and llama.cpp's `llama-server` (app/bench/llamacpp.py: built once fro
 own GGUF file, which is what our weights were dequantized from. Then it warms each
 up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
 so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
-and writes all figures as JSON. The README's comparison table comes from this command.
+and writes all figures as JSON. docs/performance.md's comparison tables come from this command's JSON.
 """
 
 from __future__ import annotations
