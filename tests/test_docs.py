@@ -161,3 +161,15 @@ def test_runnable_block_runs_against_a_live_server(docs_server, name, lang, code
     assert done.returncode == 0, f"{name} failed:\n{code}\n{done.stdout}\n{done.stderr}"
     assert done.stdout.strip(), f"{name} printed nothing"
     assert '"error"' not in done.stdout, f"{name} got an error:\n{done.stdout}"
+
+
+def test_the_charts_are_drawn_from_the_results(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the `docs` extra; `make docs-figures` installs it
+    from app.bench import charts
+
+    written = charts.draw_all(DOCS / "results", tmp_path)
+    assert {p.name for p in written} >= {"headline.png", "shortcuts.png",
+                                          "compare-zen4-2026-11-30-five-servers.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000 for p in written)
+    assert {p.name for p in written} <= {p.name for p in (DOCS / "figures").glob("*.png")}, "commit the new charts"
+    assert "TTFT against prompt length" in capsys.readouterr().out  # says why that chart is missing
