@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium qemu serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts gpu-check clean
+.PHONY: setup models chromium qemu serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -91,6 +91,12 @@ bench-quality: setup
 # What the prefix cache and n-gram speculation buy, through HTTP, each on and off (app/bench/shortcuts.py).
 bench-shortcuts: setup
 	$(PY) -m app bench shortcuts
+
+# The docs' generated tables (settings, benchmark figures) and PNG charts, from app/config.py and docs/results/*.json
+# (docs/benchmarking.md). matplotlib comes from the `docs` extra, installed here only when it is missing.
+docs-figures: $(VENV)/.installed
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[docs]'
+	$(PY) -m app docs-figures
 
 # On a CUDA machine, < 10 minutes: GPU-marked tests, bench generate, bench serve, a summary. Stops at once without CUDA.
 gpu-check: setup

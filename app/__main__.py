@@ -1,4 +1,4 @@
-"""`python -m app serve | generate | fetch-model | bench generate | serve | compare | grammar | tools | ...`."""
+"""`python -m app serve | generate | fetch-model | docs-figures | bench generate | serve | compare | tools | ...`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="print each step's top K candidates with their probability at every stage: raw, "
                           "penalties, temperature, top_k, top_p, min_p (default 5)")
 
+    docs = commands.add_parser("docs-figures", help="rewrite docs/' generated tables and draw its charts "
+                               "from docs/results/ and app/config.py")
+    docs.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
+
     fetch = commands.add_parser("fetch-model", help="download and convert an embedded model")
     fetch.add_argument("names", nargs="*", help="embedded model names (default: $MODEL or the default model)")
 
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.cli import run_generate
 
             return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack", "quant")))
+        if args.command == "docs-figures":
+            from app.docs import main as docs_figures
+
+            return docs_figures(["--check"] if args.check else [])
         if args.command == "fetch-model":
             from app.models.fetch import fetch_model
 

@@ -1,6 +1,6 @@
 """Settings for the server and the CLI, read from env vars (no prefix) and overridden by CLI flags.
 
-Everything an operator can tune lives here, so the README's settings table, the Docker image's env vars and
+Everything an operator can tune lives here, so docs/configuration.md (generated from this class), the Docker image's env vars and
 `python -m app serve --help` all describe the same fields.
 """
 

@@ -44,6 +44,11 @@ def test_compare_runs_ours_and_transformers_serve_on_the_same_load(tmp_path, tin
             assert r["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"]["aggregate"] > 0
             assert 0 < r["completion_tokens_total"] <= requests * 8
     assert "ours/this" in done.stdout and "transformers" in done.stdout and "1.00x" in done.stdout
+    # where and how it ran, and the ratios the docs cite, from the unrounded figures
+    assert report["bench"] == "compare" and report["machine"]["cores"] >= 1 and report["versions"]["transformers"]
+    assert report["settings"]["servers"] == "ours,transformers" and report["date"].endswith("Z")
+    rate = {s: report["results"]["1 stream"][s]["output_tokens_per_s"]["aggregate"] for s in ("ours", "transformers")}
+    assert report["ratios"]["ours_vs"]["1 stream"]["transformers"] == pytest.approx(rate["ours"] / rate["transformers"])
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -1,12 +1,12 @@
 """`python -m app bench quality` end to end on the tiny model: every variant loads (fp32 reference, bf16, int8
-dynamic, int8 weight-only), and the report holds the figures the README quotes."""
+dynamic, int8 weight-only), and the report holds the figures docs/performance.md quotes."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from app.bench import quality
+from app.bench import figures, quality
 
 
 def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, capsys):
@@ -25,3 +25,8 @@ def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, ca
         assert all(0 <= n <= 6 for n in v["identical_prefix_tokens"])
     assert variants["bf16"]["dtype"] == "torch.bfloat16" and variants["int8"]["dtype"] == "torch.float32"
     assert "top-1 agreement" in capsys.readouterr().out
+    # the JSON says where and how it ran, and the docs' table generator reads it as it is
+    assert report["bench"] == "quality" and report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    assert report["versions"]["torch"] and report["date"].endswith("Z") and report["settings"]["max_tokens"] == 6
+    table = figures.quality_table([("quality.json", report)])
+    assert f"| bf16 | {variants['bf16']['perplexity']:.3f} | {variants['bf16']['vs_fp32']:+.2%} |" in table

@@ -143,7 +143,7 @@ def test_api_streams_an_inspection_with_every_token(make_tiny_server, tiny_lm):
     assert streamed_text == tiny_lm.tokenizer.decode([e["token"]["id"] for e in entries])  # one entry per token
 
     # Same seed: the same tokens and the same tables. The second request's prompt comes from the prefix cache, and
-    # prefilling the rest as a chunk may round the last float32 bits differently (README: prefix caching), so the
+    # prefilling the rest as a chunk may round the last float32 bits differently (docs/performance.md: prefix caching), so the
     # probabilities are compared to 1e-4 and everything else exactly.
     full = httpx.post(server.url + CHAT, json=body).json()
     assert full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -3,7 +3,7 @@ unquantized model. Quantization is not exact, so these tests measure how far it 
 
 Bounds, measured on the tiny random model (whose weights, unlike the embedded models', are not on a 4-bit grid, so
 this is a harder case): logits within 3% (relative L2 norm) for both kernels; greedy tokens under teacher forcing
-agree at >= 90% of positions (measured 47 of 48, for each kernel). The real model's figures come from `bench quality` (README).
+agree at >= 90% of positions (measured 47 of 48, for each kernel). The real model's figures come from `bench quality` (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and dtype, and llama.cpp's `llama-server` (app/bench/llamacpp.py: built once fro
 own GGUF file, which is what our weights were dequantized from. Then it warms each
 up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
 so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
-and writes all figures as JSON. The README's comparison table comes from this command.
+and writes all figures as JSON. docs/performance.md's comparison tables come from this command's JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import serve as bench_serve
+from app.bench import record, serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
 from app.bench import llamacpp
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
@@ -129,11 +129,35 @@ def run(args: argparse.Namespace) -> dict:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    report = {"model": str(model_dir), "dtype": args.dtype, "device": args.device, "results": results}
+    report = {**record.envelope("compare", args), "model": str(model_dir), "dtype": args.dtype, "device": args.device,
+              "results": results, "ratios": ratios(results)}
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False))
     print_comparison(report)
     print(f"wrote {out}")
     return report
+
+
+def ratios(results: dict[str, dict[str, dict]]) -> dict:
+    """The ratios the docs cite, from the unrounded figures: ours against each peer, issue 14's int8 against
+    llama.cpp, and loaded against one stream."""
+    rate = lambda r: (r or {}).get("output_tokens_per_s", {}).get("aggregate")  # noqa: E731
+    ttft = lambda r: (r or {}).get("ttft_s", {}).get("p50")  # noqa: E731
+    div = lambda a, b: a / b if a and b else None  # noqa: E731
+    out: dict = {"ours_vs": {}, "int8_vs_llamacpp": {}, "loaded_vs_single_by_server": {}}
+    for scenario, by_server in results.items():
+        ours = by_server.get("ours")
+        out["ours_vs"][scenario] = {k: div(rate(ours), rate(r)) for k, r in by_server.items() if k != "ours" and ours}
+        if "ours-int8" in by_server and "llama.cpp" in by_server:
+            int8, peer = by_server["ours-int8"], by_server["llama.cpp"]
+            out["int8_vs_llamacpp"][scenario] = {"tokens_per_s": div(rate(int8), rate(peer)),
+                                                 "ttft_p50": div(ttft(int8), ttft(peer))}
+    if len(results) >= 2:
+        single, loaded = list(results.values())[:2]
+        out["loaded_vs_single_by_server"] = {k: div(rate(loaded.get(k)), rate(r)) for k, r in single.items()}
+        if "ours" in single:
+            out["loaded_vs_single"] = {"tokens_per_s": out["loaded_vs_single_by_server"]["ours"],
+                                       "ttft_p50": div(ttft(loaded.get("ours")), ttft(single["ours"]))}
+    return out
 
 
 def prepare_llamacpp(args: argparse.Namespace, kinds: list[str]) -> tuple[Path | None, Path | None, list[str]]:

@@ -20,6 +20,8 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+from app.progress import run_with_progress
+
 # Pinned by URL and hash (PyPI's simple index gives both): pip refuses this sdist by name, because its
 # setuptools-scm metadata says 0.0.0.
 VERSION = "11160.0.0"
@@ -83,7 +85,7 @@ def ensure_llama_server(cache_dir: Path, jobs: int = 2) -> tuple[Path | None, st
               flush=True)
         with log.open("ab") as out:
             for command in build_commands(source / "llama.cpp", binary.parents[1], jobs):
-                subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
+                run_with_progress(command, out, "llama.cpp " + ("build" if "--build" in command else "configure"))
     except (OSError, ValueError, subprocess.CalledProcessError, tarfile.TarError) as err:
         return None, f"llama.cpp skipped: the build failed ({err}); see {root}"
     return binary, ""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from app.bench import record
 from app.config import Settings
 from app.models.loading import load_model
 
@@ -101,13 +102,15 @@ def run(args: argparse.Namespace) -> dict:
     text_ids = lm.encode_text(TEXT.read_text())
     prompts = [lm.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     ref = evaluate(lm, text_ids, prompts, None, args.max_tokens, args.window)
-    report = {"model": settings.model, "text_tokens": len(text_ids), "max_tokens": args.max_tokens,
+    report = {**record.envelope("quality", args), "model": settings.model, "text_tokens": len(text_ids),
+              "max_tokens": args.max_tokens,
               "variants": {"fp32 (reference)": {"perplexity": ref["perplexity"]}}}
     del lm
     for name in names:
         variant = load(*VARIANTS[name])
         report["variants"][name] = evaluate(variant, text_ids, prompts, ref["greedy"], args.max_tokens, args.window)
         report["variants"][name]["dtype"] = str(variant.dtype)
+        report["variants"][name]["vs_fp32"] = report["variants"][name]["perplexity"] / ref["perplexity"] - 1
         del variant
     print_report(report)
     if args.out:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import compare, serve as bench_serve
+from app.bench import compare, record, serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
 from app.models.fetch import EMBEDDED, fetch_model
 
@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"error: --model: {model_dir} is not a model directory (no config.json)")
     out = Path(args.out or f"bench-results/shortcuts-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {"model": str(model_dir), "dtype": args.dtype, "device": args.device}
+    report: dict = {**record.envelope("shortcuts", args), "model": str(model_dir), "dtype": args.dtype,
+                    "device": args.device}
     if args.only in (None, "prefix"):
         with our_server(args, model_dir, out, "prefix", []) as url:
             report["prefix"] = measure_prefix(args, url, model_dir)
@@ -156,7 +157,8 @@ def measure_prefix(args, url: str, model_dir: Path) -> dict:
     metrics = httpx.get(url + "/metrics").text
     hits = next(float(line.split()[1]) for line in metrics.splitlines()
                 if line.startswith("simple_serve_prefix_cache_hit_tokens_total"))
-    return {"runs": runs, "cold_ttft_s": cold, "warm_ttft_s": warm, "warm_vs_cold": warm / cold,
+    return {"runs": runs, "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in runs),
+            "cold_ttft_s": cold, "warm_ttft_s": warm, "warm_vs_cold": warm / cold,
             "hit_tokens_total": hits}
 
 

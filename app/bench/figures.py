@@ -1,0 +1,163 @@
+"""The docs' benchmark tables and charts, made from the bench JSON kept under docs/results/.
+
+Each table kind reads one or more result files (what `bench compare`, `bench shortcuts` and `bench quality` write,
+or a transcription of an older run in the same keys) and returns markdown; `app/docs.py` puts it between the
+markers of a docs page. A ratio is printed only where the file holds it (the benches compute ratios from unrounded
+figures, so a ratio recomputed from a rounded table could differ in its last digit). `charts` draws the PNGs with
+matplotlib, imported only there, so the tables (and the test that checks them) need no plotting library.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`",
+                "llama.cpp": "llama.cpp `llama-server`", "transformers": "`transformers serve`",
+                "transformers-cb": "`transformers serve --continuous-batching`"}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+VARIANT_NAMES = {
+    "fp32 (reference)": "fp32 (the reference)",
+    "bf16": "bf16",
+    "int8": "`QUANT=int8`, dynamic (fp32 activations, per-row scales)",
+    "int8-one-scale-per-call": "`QUANT=int8`, one activation scale per call (before the per-row fix)",
+    "int8-weight-only-bf16": "`QUANT=int8` with `DTYPE=bfloat16`: weight-only int8, bf16 activations",
+}
+SHORTCUT_ROWS = {  # bench shortcuts' scenario -> (what the row measures, its goal)
+    "code edit, greedy": ("speculation: decode tokens/s, a code edit that copies most of its prompt, greedy",
+                          ">= 1.8x"),
+    "code edit, model sampling": ("the same edit with the model's own sampling (seeded)", ""),
+    "open chat, greedy": ("open-ended chat, greedy", ">= 0.95x"),
+    "open chat, model sampling": ("open-ended chat, the model's own sampling (seeded)", ">= 0.95x"),
+}
+
+
+def load(results_dir: Path, names: list[str]) -> list[tuple[str, dict]]:
+    return [(name, json.loads((results_dir / name).read_text())) for name in names]
+
+
+def run_label(report: dict) -> str:
+    machine = report.get("machine") or {}
+    return report.get("label") or f"{machine.get('cpu', '?')}, {report.get('date', '?')}"
+
+
+def provenance(runs: list[tuple[str, dict]]) -> str:
+    lines = []
+    for name, r in runs:
+        m = r.get("machine") or {}
+        cpu = m.get("cpu", "CPU not recorded") + (f", {m['cores']} cores" if m.get("cores") else "")
+        lines.append(f"[`{name}`](results/{name}): {cpu}; {r.get('date') or 'date not recorded'}; "
+                     f"source: {r.get('source', 'not recorded')}.")
+    return "\n".join(f"<sub>{line}</sub><br>" if i < len(lines) - 1 else f"<sub>{line}</sub>"
+                     for i, line in enumerate(lines))
+
+
+def ms(seconds: float | None, digits: int = 0) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.{digits}f} ms"
+
+
+def ratio(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}x"
+
+
+def server_name(kind: str, report: dict) -> str:
+    if kind == "ours":
+        return f"simple-serve, {DTYPES.get(report.get('dtype'), report.get('dtype'))}"
+    return SERVER_NAMES.get(kind, kind)
+
+
+def compare_table(runs: list[tuple[str, dict]]) -> str:
+    """load | server | aggregate tok/s | (ours ÷ this) | TTFT p50 | inter-token p50, every run's rows in turn."""
+    has_ratio = any(r.get("ratios", {}).get("ours_vs") for _, r in runs)
+    head = ["load", "server", "aggregate tok/s"] + (["ours ÷ this"] if has_ratio else []) + ["TTFT p50",
+                                                                                            "inter-token p50"]
+    rows = []
+    for _, r in runs:
+        prefix = f"{r['label']}, " if len(runs) > 1 and r.get("label") else ""
+        settings = r.get("settings") or {}
+        counts = [settings.get("single_requests"), settings.get("loaded_requests")]
+        for n, (scenario, by_server) in enumerate(r["results"].items()):
+            load = prefix + scenario + (f", {counts[n]} requests" if n < 2 and counts[n] else "")
+            for i, (kind, m) in enumerate(by_server.items()):
+                cells = [load if i == 0 else "", server_name(kind, r),
+                         f"{m['output_tokens_per_s']['aggregate']:.1f}"]
+                if has_ratio:
+                    cells.append("" if kind == "ours" else ratio(r.get("ratios", {}).get("ours_vs", {})
+                                                                 .get(scenario, {}).get(kind)))
+                cells += [ms(m["ttft_s"]["p50"]), ms(m["itl_per_token_s"]["p50"], 1)]
+                rows.append(cells)
+    return markdown(head, rows) + goals(runs) + "\n\n" + provenance(runs)
+
+
+def goals(runs: list[tuple[str, dict]]) -> str:
+    """Issue 14's ratios, where a run holds them: ours-int8 against llama.cpp, and ours loaded against one stream."""
+    lines = []
+    for _, r in runs:
+        ratios = r.get("ratios", {})
+        for scenario, g in ratios.get("int8_vs_llamacpp", {}).items():
+            lines.append(f"{scenario}: ours-int8 ÷ llama.cpp {ratio(g['tokens_per_s'])} the tokens/s"
+                         + (f", {ratio(g['ttft_p50'])} the TTFT p50" if g.get("ttft_p50") is not None else ""))
+        if (loaded := ratios.get("loaded_vs_single", {}).get("tokens_per_s")) is not None:
+            lines.append(f"ours, loaded ÷ 1 stream: {ratio(loaded)} the tokens/s")
+    return "\n\n" + "; ".join(lines) + "." if lines else ""
+
+
+def streams_table(runs: list[tuple[str, dict]]) -> str:
+    """server | 1 stream tok/s | TTFT | N streams tok/s | TTFT | N ÷ 1: one row per server of every run."""
+    rows, loaded_name = [], "N streams"
+    for _, r in runs:
+        single, loaded = list(r["results"].values())[:2]
+        loaded_name = list(r["results"])[1]
+        for kind, one in single.items():
+            many = loaded[kind]
+            label = f" ({r['label']})" if r.get("label") else ""
+            rows.append([server_name(kind, r) + label, f"{one['output_tokens_per_s']['aggregate']:.1f}",
+                         ms(one["ttft_s"]["p50"]), f"{many['output_tokens_per_s']['aggregate']:.1f}",
+                         ms(many["ttft_s"]["p50"]), ratio(r.get("ratios", {}).get("loaded_vs_single_by_server",
+                                                                                   {}).get(kind))])
+    head = ["server", "1 stream: tok/s", "TTFT p50", f"{loaded_name}: tok/s", "TTFT p50", f"{loaded_name} ÷ 1"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+def shortcuts_table(runs: list[tuple[str, dict]]) -> str:
+    rows = []
+    for _, r in runs:
+        if p := r.get("prefix"):
+            tokens = round(p["prompt_tokens_median"])
+            rows.append([f"prefix cache: TTFT, ~{tokens:,}-token prompt, then the same document with another question",
+                         ms(p["cold_ttft_s"]), ms(p["warm_ttft_s"]), ratio(p["warm_vs_cold"], 3), "<= 0.15x"])
+        settings = r.get("settings") or {}
+        for name, s in (r.get("speculative") or {}).items():
+            what, goal = SHORTCUT_ROWS.get(name, (name, ""))
+            tokens = settings.get("edit_tokens" if name.startswith("code edit") else "chat_tokens")
+            what += f", {tokens} tokens" if tokens else ""
+            rows.append([what, f"{s['off_tokens_per_s']:.1f}", f"{s['ngram_tokens_per_s']:.1f}", ratio(s["speedup"]),
+                         goal])
+    return markdown(["what", "off / cold", "on / warm", "ratio", "goal"], rows) + "\n\n" + provenance(runs)
+
+
+def quality_table(runs: list[tuple[str, dict]]) -> str:
+    rows = []
+    for _, r in runs:
+        ref = r["variants"]["fp32 (reference)"]["perplexity"]
+        label = f" ({r['label']})" if len(runs) > 1 and r.get("label") else ""
+        for name, v in r["variants"].items():
+            if name == "fp32 (reference)" and rows:
+                continue  # one reference row: every run's fp32 is the same model on the same text
+            agreement, prefix = v.get("teacher_forced_agreement"), v.get("identical_prefix_tokens")
+            vs_fp32 = v.get("vs_fp32", v["perplexity"] / ref - 1)  # the bench's, from unrounded perplexities
+            rows.append([VARIANT_NAMES.get(name, name) + (label if name != "fp32 (reference)" else ""),
+                         f"{v['perplexity']:.3f}", "" if name == "fp32 (reference)" else f"{vs_fp32:+.2%}",
+                         "" if agreement is None else f"{agreement:.1%}",
+                         "" if prefix is None else ", ".join(map(str, prefix))])
+    head = ["variant", "perplexity", "vs fp32", "top-1 agreement", "identical greedy tokens (of 64, per prompt)"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts": shortcuts_table,
+          "quality": quality_table}
+
+
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

@@ -1,0 +1,101 @@
+"""`python -m app docs-figures` (`make docs-figures`): the generated parts of docs/, rewritten in place.
+
+A generated part sits between `<!-- figures:begin KIND [FILE ...] -->` and `<!-- figures:end -->` in a page; the
+text outside the markers is the authors'. KIND `settings` is the table of every field of `app.config.Settings`
+(so docs/configuration.md cannot drift from the code); the other kinds are benchmark tables made from the named
+JSON files under docs/results/ (app/bench/figures.py). `--check` writes nothing and exits 1 naming each page that
+differs, which is what tests/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
+the `docs` extra).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import typing
+from pathlib import Path
+
+from app.config import Settings
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+MARKED = re.compile(r"(<!-- figures:begin (?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- figures:end -->)", re.S)
+
+
+def settings_table() -> str:
+    """Every Settings field: its env var, its flag, what it takes, its default and its description."""
+    rows = ["| Variable | Flag | Takes | Default | Description |", "| --- | --- | --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        description = field.description or "see [what each setting does](#what-each-setting-does)"
+        description = description.replace("|", "\\|")
+        rows.append(f"| `{name.upper()}` | `--{name.replace('_', '-')}` | {takes(field.annotation)} | "
+                    f"{default(field)} | {description} |")
+    return "\n".join(rows)
+
+
+def takes(annotation: object) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if args and typing.get_origin(annotation) is not list:  # Optional[X] / X | None / Annotated[X, ...]
+        return takes(args[0])
+    if typing.get_origin(annotation) is list:
+        return "comma-separated list"
+    return {str: "text", int: "integer", float: "number", Path: "path"}.get(annotation, str(annotation))
+
+
+def default(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "empty" if value in ([], {}, "") else f"`{value}`"
+    value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, Path):  # the home directory of whoever runs the generator is nobody's default
+        return f"`{str(value).replace(str(Path.home()), '~', 1)}`"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"`{value}` ({value // 2**20} MiB)"
+    return f"`{value}`"
+
+
+def generate(args: str, results: Path) -> str:
+    from app.bench import figures
+
+    kind, *files = args.split()
+    if kind == "settings":
+        return settings_table()
+    if kind not in figures.TABLES:
+        raise ValueError(f"unknown figures kind {kind!r}; pick from settings, {', '.join(figures.TABLES)}")
+    return figures.TABLES[kind](figures.load(results, files))
+
+
+def rewrite(text: str, results: Path) -> str:
+    return MARKED.sub(lambda m: m[1] + generate(m["args"], results).rstrip("\n") + "\n" + m[4], text)
+
+
+def pages(docs: Path) -> list[Path]:
+    return sorted(docs.glob("*.md"))
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    results, stale = DOCS / "results", []
+    for page in pages(DOCS):
+        text = page.read_text()
+        new = rewrite(text, results)
+        if new != text:
+            stale.append(page)
+            if not check:
+                page.write_text(new)
+    if check:
+        for page in stale:
+            print(f"{page} differs from what `make docs-figures` writes", file=sys.stderr)
+        return 1 if stale else 0
+    from app.bench import charts
+
+    for path in charts.draw_all(results, DOCS / "figures"):
+        print(f"wrote {path}")
+    for page in stale:
+        print(f"rewrote {page}")
+    return 0

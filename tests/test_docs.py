@@ -1,0 +1,175 @@
+"""The README and docs/ as a reader meets them: short README, pages that say what they cover, links that land,
+generated tables equal to what `make docs-figures` writes from app/config.py and docs/results/*.json, and every
+code block marked `<!-- runnable -->` run against a live server (the tiny model, served under the default model's
+id, so the blocks run unchanged but for the port)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import docs
+from app.bench import figures, record
+from app.config import DEFAULT_MODEL, Settings
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+# Pages that other branches write; the README and the docs link to them ahead of the merge.
+PENDING_PAGES = {"limits.md", "anthropic.md", "scaling.md"}
+RUNNABLE = re.compile(r"<!-- runnable -->\n```(?P<lang>bash|python)\n(?P<code>.*?)```", re.S)
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def test_readme_is_short_and_starts_with_the_two_commands():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/"
+    head = "\n".join(lines[:40])
+    assert "make serve" in head and "make test" in head
+
+
+def test_a_newcomer_finds_the_api_key_the_k8s_manifests_and_int8_in_one_click():
+    text = README.read_text()
+    for what, link in (("API_KEY", "docs/configuration.md#settings"), ("QUANT=int8", "docs/configuration.md#settings"),
+                       ("docker/k8s/", "docker/k8s/")):
+        assert re.search(rf"\[`?{re.escape(what)}`?\]\({re.escape(link)}\)", text), f"README: no link for {what}"
+    settings = (DOCS / "configuration.md").read_text()
+    assert "| `API_KEY` |" in settings and "| `QUANT` |" in settings and "`int8`" in settings
+    assert (REPO / "docker" / "k8s" / "deployment.yaml").is_file()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_page_says_what_it_covers_first(page):
+    head = "\n".join(page.read_text().splitlines()[:8])
+    assert head.startswith("# ") and re.search(r"What this page covers|This page", head), (
+        f"{page.name}: say what the page covers in its first lines")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # `# comments` in code are not headings
+    return {slug(m[1]) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: p.name)
+def test_local_links_land_on_a_file_and_heading(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if dest.name in PENDING_PAGES and dest.parent == DOCS:
+            continue
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert not broken, f"{page.name}: links that land nowhere: {broken}"
+
+
+def test_generated_tables_equal_what_the_generator_writes():
+    stale = [page.name for page in PAGES if docs.rewrite(page.read_text(), DOCS / "results") != page.read_text()]
+    assert not stale, f"run `make docs-figures`: {stale} differ from what it writes"
+
+
+def test_every_setting_is_in_the_generated_table_with_its_default():
+    table = docs.settings_table()
+    for name, field in Settings.model_fields.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name.upper()}` |"))
+        assert f"`--{name.replace('_', '-')}`" in row
+        if isinstance(field.default, (int, str)) and not isinstance(field.default, bool):
+            assert f"`{field.default}`" in row, row
+
+
+def test_a_changed_figure_in_the_json_changes_the_page(tmp_path):
+    """The check has teeth: edit one figure in a copy of the results, and the page no longer matches."""
+    results = tmp_path / "results"
+    shutil.copytree(DOCS / "results", results)
+    page = (DOCS / "performance.md").read_text()
+    assert docs.rewrite(page, results) == page
+    name = "compare-zen4-2026-11-30-five-servers.json"
+    data = json.loads((results / name).read_text())
+    data["results"]["8 streams"]["ours-int8"]["output_tokens_per_s"]["aggregate"] = 99.9
+    (results / name).write_text(json.dumps(data))
+    changed = docs.rewrite(page, results)
+    assert changed != page and "| simple-serve, `QUANT=int8` | 99.9 |" in changed
+
+
+def test_every_cited_result_says_where_it_came_from():
+    for path in sorted((DOCS / "results").glob("*.json")):
+        r = json.loads(path.read_text())
+        assert r["schema"] == record.SCHEMA and r["bench"] in ("compare", "shortcuts", "quality"), path.name
+        assert r["source"] and r["machine"]["cpu"] and r["machine"]["cores"], path.name
+        assert "date" in r and "settings" in r and "versions" in r, path.name
+    cited = {f for page in PAGES for m in docs.MARKED.finditer(page.read_text()) for f in m["args"].split()[1:]}
+    assert cited and all((DOCS / "results" / f).is_file() for f in cited), cited
+
+
+def test_a_bench_envelope_names_this_machine():
+    import argparse
+
+    head = record.envelope("compare", argparse.Namespace(servers="ours", dtype="float32"))
+    assert head["machine"]["cores"] >= 1 and head["machine"]["cpu"] and isinstance(head["machine"]["flags"], list)
+    assert head["versions"]["torch"] and head["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert head["settings"] == {"servers": "ours", "dtype": "float32"} and re.fullmatch(r"\d{4}-.*Z", head["date"])
+    assert figures.ms(0.273) == "273 ms" and figures.ms(67.454) == "67,454 ms"
+
+
+def runnable_blocks() -> list[tuple[str, str, str]]:
+    blocks = []
+    for page in [README, *PAGES]:
+        for i, m in enumerate(RUNNABLE.finditer(page.read_text())):
+            blocks.append((f"{page.name}#{i}", m["lang"], m["code"]))
+    return blocks
+
+
+def test_the_readme_and_api_page_have_runnable_blocks():
+    names = [name for name, _, _ in runnable_blocks()]
+    assert sum(n.startswith("README.md") for n in names) >= 2 and sum(n.startswith("api.md") for n in names) >= 2
+
+
+@pytest.fixture(scope="module")
+def docs_server(tiny_lm):
+    from app.main import create_app
+
+    from conftest import ThreadServer
+
+    app = create_app(Settings(model="tiny", served_model_name=DEFAULT_MODEL, max_active=4), lm=tiny_lm)
+    with ThreadServer(app) as server:
+        yield server
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("name,lang,code", runnable_blocks(), ids=[b[0] for b in runnable_blocks()])
+def test_runnable_block_runs_against_a_live_server(docs_server, name, lang, code):
+    code = re.sub(r"(localhost|127\.0\.0\.1):8000", f"127.0.0.1:{docs_server.port}", code)
+    command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{name} failed:\n{code}\n{done.stdout}\n{done.stderr}"
+    assert done.stdout.strip(), f"{name} printed nothing"
+    assert '"error"' not in done.stdout, f"{name} got an error:\n{done.stdout}"
+
+
+def test_the_charts_are_drawn_from_the_results(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the `docs` extra; `make docs-figures` installs it
+    from app.bench import charts
+
+    written = charts.draw_all(DOCS / "results", tmp_path)
+    assert {p.name for p in written} >= {"headline.png", "shortcuts.png",
+                                          "compare-zen4-2026-11-30-five-servers.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000 for p in written)
+    assert {p.name for p in written} <= {p.name for p in (DOCS / "figures").glob("*.png")}, "commit the new charts"
+    assert "TTFT against prompt length" in capsys.readouterr().out  # says why that chart is missing
