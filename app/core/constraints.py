@@ -2,8 +2,9 @@
 
 The grammar engine is xgrammar (chosen over llguidance by measurement on Qwen's 151,936-token vocabulary; figures
 in docs/tools-and-structured-outputs.md). `Grammars` compiles a JSON schema or a structural tag once per distinct
-spec (an LRU cache) against this model's tokenizer, in a worker process with a deadline (app/core/grammar_compile.py), once
-app/core/schema_check.py has refused what it would not enforce or what costs too much to compile.
+spec (an LRU cache) against this model's tokenizer, in a worker process with a deadline
+(app/core/grammar_compile.py), once app/core/schema_check.py has refused what it would not enforce or what costs
+too much to compile.
 `Grammar.matcher()` gives each sequence its own `GrammarMatcher`, which every step:
   1) writes the allowed tokens into a bitmask (one bit per token id) and applies it to that row's logits;
   2) after the token is chosen, advances its state with it.
