@@ -183,3 +183,36 @@ def test_n_choices_one_fails_siblings_tasks_end(tiny_lm, monkeypatch):
             serving.grammars.close()
 
     assert asyncio.run(scenario()) == []
+
+
+def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny_lm, monkeypatch):
+    from app.core.grammar_compile import CompilePool
+    from app.errors import Overloaded
+
+    compiled = []
+    real = CompilePool.compile
+
+    def slow_compile(self, request, timeout_s):
+        compiled.append(request["spec"])
+        time.sleep(0.5)
+        return real(self, request, timeout_s)
+
+    monkeypatch.setattr(CompilePool, "compile", slow_compile)
+    grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids, limits=GrammarLimits(queue=1))
+
+    async def scenario():
+        same = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        first = [asyncio.ensure_future(grammars.json_schema_async(same)) for _ in range(3)]
+        other = asyncio.ensure_future(grammars.json_schema_async({"type": "array"}))
+        await asyncio.sleep(0.1)
+        with pytest.raises(Overloaded):  # one compiling, one waiting: a third distinct schema is a 429
+            await grammars.json_schema_async({"type": "string"})
+        results = await asyncio.gather(*first, other)
+        return results
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        grammars.close()
+    assert results[0] is results[1] is results[2] and results[3] is not results[0]
+    assert len(compiled) == 2  # the shared schema compiled once

@@ -26,7 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -126,7 +126,7 @@ class Grammars:
         self._info = None  # xgrammar.TokenizerInfo, built on first use
         self._workers: CompilePool | None = None
         self._threads = ThreadPoolExecutor(limits.workers, thread_name_prefix="grammar")
-        self._pending = 0  # compiles submitted to the threads and not finished
+        self._compiling: dict[tuple[str, str], Future] = {}  # (spec, param) -> its compile, until it is done
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -157,15 +157,20 @@ class Grammars:
         if grammar is not None:  # a cached grammar never waits behind compiles
             return grammar
         with self._lock:
-            if self._pending >= self.limits.workers + self.limits.queue:
-                raise Overloaded(f"{self._pending} grammars are compiling or waiting to; retry shortly "
-                                 "(GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
-            self._pending += 1
-        try:
-            return await asyncio.wrap_future(self._threads.submit(self._compile, kind, spec, param, key))
-        finally:
-            with self._lock:
-                self._pending -= 1
+            future = self._compiling.get((key, param))  # the same spec asked for again while it compiles: share it
+            if future is None:
+                if len(self._compiling) >= self.limits.workers + self.limits.queue:
+                    raise Overloaded(f"{len(self._compiling)} grammars are compiling or waiting to; retry shortly "
+                                     "(GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
+                future = self._threads.submit(self._compile, kind, spec, param, key)
+                self._compiling[(key, param)] = future
+                future.add_done_callback(lambda _: self._compile_done((key, param)))
+        # shield: a caller that leaves must not cancel a compile that others wait for, or that will be cached
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def _compile_done(self, entry: tuple[str, str]) -> None:
+        with self._lock:
+            self._compiling.pop(entry, None)
 
     @staticmethod
     def _key(kind: str, spec: dict[str, Any]) -> str:
