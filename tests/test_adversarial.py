@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,18 +62,31 @@ INNOCENT = [{"messages": [{"role": "user", "content": "Tell me about Paris."}], 
              "seed": 11, "ignore_eos": True, "stream": True}]
 
 
-class HealthProbe(threading.Thread):
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url, self.latencies, self.stop = url, [], threading.Event()
+PROBE = """
+import pathlib, sys, time, httpx
+url, out, stop = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+with httpx.Client(timeout=5) as client, out.open("w") as log:
+    while not stop.exists():
+        started = time.perf_counter()
+        status = client.get(url + "/health").status_code
+        print(status, time.perf_counter() - started, file=log, flush=True)
+        time.sleep(0.02)
+"""
 
-    def run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self.stop.is_set():
-                started = time.perf_counter()
-                assert client.get(self.url + "/health").status_code == 200
-                self.latencies.append(time.perf_counter() - started)
-                time.sleep(0.02)
+
+class HealthProbe:
+    """GET /health every 20 ms from a process of its own: the test's busy client threads share nothing with it."""
+
+    def __init__(self, url: str, folder):
+        self.out, self.stop = folder / "health.txt", folder / "stop"
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, url, str(self.out), str(self.stop)])
+
+    def latencies(self) -> list[float]:
+        self.stop.touch()
+        assert self.proc.wait(timeout=30) == 0
+        rows = [line.split() for line in self.out.read_text().splitlines()]
+        assert all(status == "200" for status, _ in rows)
+        return sorted(float(seconds) for _, seconds in rows)
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +153,10 @@ def leave_early(url: str, stage: str) -> str:
     return stage
 
 
-def test_hostile_requests_hurt_only_themselves(server):
+def test_hostile_requests_hurt_only_themselves(server, tmp_path):
     solo = [stream_text(server, body) for body in INNOCENT]
-    probe = HealthProbe(server)
-    probe.start()
+    probe = HealthProbe(server, tmp_path)
+    time.sleep(1)  # its interpreter has started
     try:
         with ThreadPoolExecutor(16) as pool:
             innocent = [pool.submit(stream_text, server, body) for body in INNOCENT]
@@ -156,10 +168,8 @@ def test_hostile_requests_hurt_only_themselves(server):
             for attack in attacks:
                 attack.result()
     finally:
-        probe.stop.set()
-        probe.join()
+        latencies = probe.latencies()
     assert together == solo and all(len(text) > 20 for text in solo)
-    latencies = sorted(probe.latencies)
     assert len(latencies) > 20
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     print(f"/health under attack: {len(latencies)} probes, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 _HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
 OK, FAILED = b"\x00", b"\x01"
+NICENESS = 10  # added to the worker's nice value
 
 
 class CompileTimeout(Exception):
@@ -121,6 +122,8 @@ def _serve() -> None:
     """The child: load the tokenizer's tables, then compile what arrives until stdin closes."""
     out = os.fdopen(os.dup(1), "wb")  # frames only: anything a library prints goes to stderr instead
     os.dup2(2, 1)
+    # Below the server in the CPU's queue: a long compile must not slow the event loop or the decode steps.
+    os.nice(NICENESS)
     inp = sys.stdin.buffer
     import xgrammar as xgr
 
