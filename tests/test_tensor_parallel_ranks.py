@@ -19,7 +19,7 @@ import pytest
 from app.config import Settings
 from app.models.fetch import fetch_model
 
-from conftest import MODEL_CACHE, ThreadServer, free_port
+from conftest import MODEL_CACHE, free_port
 from test_server_real import ServerProcess, clean_env
 
 pytestmark = pytest.mark.server
@@ -58,12 +58,18 @@ def answers(url: str, model_id: str, max_tokens: int) -> list[tuple[str, str, in
         return list(pool.map(ask, QUESTIONS))
 
 
-def single_process_answers(model: str, max_tokens: int) -> list[tuple[str, str, int]]:
-    from app.main import create_app
-
-    settings = Settings(model=model, dtype="float32", model_cache=MODEL_CACHE)
-    with ThreadServer(create_app(settings)) as server:
-        return answers(server.url, settings.model_id, max_tokens)
+def single_process_answers(tmp_path, model: str, max_tokens: int) -> list[tuple[str, str, int]]:
+    """The same questions to the plain server, one process (one torch thread too: this machine is shared, and
+    OpenMP threads spinning against other processes' made it several times slower)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "app", "serve", "--model", model, "--dtype", "float32", "--host", "127.0.0.1",
+            "--port", str(port)]
+    srv = ServerProcess(tmp_path / "single.log", clean_env(OMP_NUM_THREADS="1"), argv=argv, port=port).start()
+    try:
+        srv.wait_ready()
+        return answers(srv.url, Settings(model=model).model_id, max_tokens)
+    finally:
+        srv.stop()
 
 
 def rank_process(srv: ServerProcess, rank: int) -> psutil.Process:
@@ -75,7 +81,7 @@ def rank_process(srv: ServerProcess, rank: int) -> psutil.Process:
 
 def test_two_gloo_ranks_equal_one_process_and_a_killed_rank_fails_cleanly(tmp_path, tiny_dir):
     model = str(tiny_dir)
-    expected = single_process_answers(model, max_tokens=24)
+    expected = single_process_answers(tmp_path, model, max_tokens=24)
     srv = torchrun_server(tmp_path, model, 2)
     failed = True
     try:
@@ -122,7 +128,7 @@ def test_default_model_on_two_gloo_ranks_equals_one_process(tmp_path):
     from app.config import DEFAULT_MODEL
 
     model = str(fetch_model(DEFAULT_MODEL, MODEL_CACHE))
-    expected = single_process_answers(model, max_tokens=16)
+    expected = single_process_answers(tmp_path, model, max_tokens=16)
     srv = torchrun_server(tmp_path, model, 2)
     failed = True
     try:

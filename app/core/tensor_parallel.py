@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 from typing import Any, Callable
 
 import torch
@@ -148,6 +149,11 @@ def run_follower(load: Callable[[], LoadedModel]) -> int:
     """A follower process's whole life: load its shard, follow rank 0, leave the group. Exit code 1 if rank 0 died,
     went silent or the ranks fell out of step."""
     torch.set_grad_enabled(False)
+    # torchrun passes a SIGTERM or Ctrl-C to every rank at once; rank 0 then drains its requests, which still need
+    # this rank's passes, and says stop when it is done (or this rank sees it gone).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _: log.info("tensor parallel: signal %d; following rank 0 until it stops",
+                                                       number))
     lm = load()
     log.info("tensor parallel: rank %d of %d loaded its shard; following rank 0", lm.ranks.rank, lm.ranks.size)
     try:
