@@ -18,7 +18,9 @@ from app.__main__ import main
 from app.config import Settings
 from app.core.sampling import SamplingParams
 from app.core.tensor_parallel import follow
+from app.errors import ConfigError
 from app.models.distributed import tp_plan_problem
+from app.models.loading import load_model
 
 from conftest import ThreadServer
 from engine_runs import run_engine
@@ -62,6 +64,17 @@ def test_models_without_a_plan_are_refused_by_name():
     assert "9 attention heads" in why and "do not divide evenly over 2 ranks" in why
     assert tp_plan_problem(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3), 3, "smollm2") is None
     assert tp_plan_problem(Qwen2Config(num_attention_heads=14, num_key_value_heads=2), 2, "qwen") is None
+
+
+def test_load_model_refuses_a_model_without_a_plan_before_joining_any_rank(tmp_path, tiny_tokenizer):
+    from transformers import GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tiny_tokenizer))).save_pretrained(
+        tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="has no tensor-parallel plan") as err:
+        load_model(str(tmp_path), device="cpu", dtype="float32", tensor_parallel=2)
+    assert str(tmp_path) in err.value.message and err.value.param == "tensor_parallel"
 
 
 def test_tensor_parallel_without_torchrun_says_how_to_launch(monkeypatch, capsys):

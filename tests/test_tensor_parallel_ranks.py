@@ -138,3 +138,19 @@ def test_default_model_on_two_gloo_ranks_equals_one_process(tmp_path):
         srv.stop()
         if failed:
             print("\n" + srv.log_tail(), file=sys.stderr)
+
+
+@pytest.mark.real_model
+def test_smollm2_on_three_gloo_ranks_equals_one_process(tmp_path):
+    """SmolLM2-135M has 9 attention heads and 3 key/value heads: 3 ranks, not 2 (which it refuses)."""
+    model = str(fetch_model("smollm2-135m-instruct", MODEL_CACHE))
+    expected = single_process_answers(tmp_path, model, max_tokens=24)
+    srv = torchrun_server(tmp_path, model, 3)
+    failed = True
+    try:
+        assert answers(srv.url, "smollm2-135m-instruct", max_tokens=24) == expected
+        failed = False
+    finally:
+        srv.stop()
+        if failed:
+            print("\n" + srv.log_tail(), file=sys.stderr)
