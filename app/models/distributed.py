@@ -75,6 +75,9 @@ class Ranks:
         self._lock = threading.Lock()  # one broadcast at a time: the engine's passes and the heartbeat share it
         self._last_sent = time.monotonic()
         self._closed = threading.Event()
+        if device.type == "cuda" and torch.cuda.device_count() < tp_size:
+            raise ConfigError(f"--tensor-parallel {tp_size} puts one rank on each GPU, but torch sees "
+                              f"{torch.cuda.device_count()} on this host", param="tensor_parallel")
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
