@@ -7,6 +7,7 @@ import sys
 
 from app.config import DEFAULT_MODEL, Settings
 from app.errors import ServeError
+from app.models.distributed import launched_rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--model-cache", "--quant"):
         serve.add_argument(flag)
     for flag in ("--port", "--max-active", "--max-queue", "--max-model-len", "--max-request-bytes",
-                 "--default-max-tokens", "--prefill-tokens-per-step"):
+                 "--default-max-tokens", "--prefill-tokens-per-step", "--tensor-parallel"):
         serve.add_argument(flag, type=int)
     serve.add_argument("--kv-cache-bytes", help="KV cache budget, e.g. 8GiB (default: from free memory)")
     serve.add_argument("--shutdown-grace-s", type=float)
@@ -78,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
-            from app.main import run_server
+            from app.main import run_server, run_tensor_parallel_follower
 
-            return run_server(settings_from(args))
+            settings = settings_from(args)
+            if settings.tensor_parallel > 1 and launched_rank(settings.tensor_parallel) > 0:
+                return run_tensor_parallel_follower(settings)  # rank 0 serves; the others run its passes
+            return run_server(settings)
         if args.command == "generate":
             from app.cli import run_generate
 

@@ -50,6 +50,8 @@ class Settings(BaseSettings):
                                     "suffixes as KV_CACHE_BYTES (0 turns automatic prefix caching off)")
     speculative: Literal["ngram", "off"] = Field("ngram", description="n-gram speculative decoding: draft tokens "
                                                  "from the request's own prompt and output, verify them in one pass")
+    tensor_parallel: int = Field(1, ge=1, description="split the model over this many GPUs (or CPU processes) with "
+                                 "transformers' tensor-parallel plan; launch with `torchrun --nproc-per-node N`")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import time
 from contextlib import asynccontextmanager
@@ -20,8 +21,10 @@ from starlette.exceptions import HTTPException
 
 from app.api import WEB_DIR, public, router
 from app.config import Settings
+from app.core.tensor_parallel import run_follower
 from app.errors import Overloaded, ServeError, ShuttingDown
-from app.models.loading import LoadedModel
+from app.models.distributed import launched_rank
+from app.models.loading import LoadedModel, load_model
 from app.openai.serving import error_body
 from app.state import ServerState
 
@@ -232,9 +235,20 @@ class GracefulServer(uvicorn.Server):
 
 def run_server(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.tensor_parallel > 1:
+        launched_rank(settings.tensor_parallel)  # torchrun started us, one process per rank: say how otherwise
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)))
     server = GracefulServer(config, app.state.serve)
     server.run()
     return server.exit_code
+
+
+def run_tensor_parallel_follower(settings: Settings) -> int:
+    """Ranks > 0 under `--tensor-parallel`: no HTTP, only rank 0's passes on this rank's shard."""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
+    s = settings
+    return run_follower(partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
+                                prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel))

@@ -44,15 +44,21 @@ class ServerState:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
-                                         prepack=s.prepack, quant=s.quant)
+                                         prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel)
+            prefix_cache_bytes = s.prefix_cache_bytes
+            if s.tensor_parallel > 1 and prefix_cache_bytes:
+                log.info("prefix cache off: under tensor parallelism its blocks would have to be mirrored on every rank")
+                prefix_cache_bytes = 0
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
-                                 s.kv_cache_bytes, prefix_cache_bytes=s.prefix_cache_bytes,
+                                 s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
                                  speculative=s.speculative)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:
                 raise self.engine.load_error
             self.lm = self.engine.lm
+            if self.lm.ranks is not None:
+                self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
             self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                              grammar_limits(s))
             await self._warm_up()
@@ -80,7 +86,10 @@ class ServerState:
 
     @property
     def engine_error(self) -> str | None:
-        """Why the engine can no longer generate, once it has died (None while loading or serving)."""
+        """Why the engine can no longer generate, once it has died or lost a tensor-parallel rank (None while
+        loading or serving)."""
+        if self.lm is not None and self.lm.ranks is not None and self.lm.ranks.lost:
+            return f"a tensor-parallel rank is gone: {self.lm.ranks.lost}"
         if self.engine is None or self.engine.alive or self.engine.load_error is not None:
             return None
         return f"the engine stopped: {self.engine.died!r}" if self.engine.died else "the engine stopped"
@@ -99,3 +108,5 @@ class ServerState:
             self.engine.stop()
         if self.serving is not None:
             self.serving.grammars.close()  # its compile processes
+        if self.lm is not None and self.lm.ranks is not None:
+            self.lm.ranks.close()  # the other ranks exit with us

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,6 +33,7 @@ from app.core.handle import RequestHandle
 from app.core.kv_budget import KVBudget
 from app.core.prefix_cache import PrefixCache
 from app.core.speculative import NgramDrafter, accept_drafts
+from app.core.tensor_parallel import Leader
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 
@@ -69,12 +70,20 @@ class StepRunner:
     started: Callable[[RequestHandle, Sequence], None]  # a new request's sequence exists (its prefill begins)
     emit: Callable[[RequestHandle, TokenEvent], None]  # a token for the caller; the last one has a finish_reason
     fail: Callable[[list[RequestHandle], Exception], None]  # these requests end with a clean error
+    # Tensor parallel (app/core/tensor_parallel.py): the other ranks run each pass too; None: the whole model is here
+    leader: Leader | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.lm.ranks is not None:
+            self.leader = Leader(self.lm, self.batch_decode)
 
     def run_step(self, batch: list[tuple[RequestHandle, Sequence | None]]) -> None:
         """One engine step: the next prefill chunk of new requests (at most `prefill_tokens_per_step` prompt tokens,
         so a long prompt never stalls running streams for long) and one token for every running request, all in
         one forward pass when the model allows it."""
         model, budget, work = self.lm.model, self.prefill_tokens_per_step, []
+        if self.leader is not None:
+            self.leader.begin_step(batch)
         for handle, seq in batch:
             if handle.cancelled.is_set():
                 continue  # dropped at the next step's start
@@ -137,7 +146,7 @@ class StepRunner:
     def _forward_and_choose(self, group: list[Work]) -> list[Emitted]:
         """One forward pass and the step's tokens. Its logits have one row per request, or 1 + k for a request
         verifying k drafts; single rows are chosen together, drafts are checked request by request."""
-        logits = self._forward(group)
+        logits = self._forward(group) if self.leader is None else self.leader.forward(group, self._forward)
         singles, single_rows, events, row, prompts_done = [], [], [], 0, 0
         for handle, seq, n, drafts in group:
             rows, row = slice(row, row + 1 + len(drafts)), row + 1 + len(drafts)

@@ -21,6 +21,7 @@ from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
 from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
+from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
 from app.models.prepack import PrepackFailed, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
@@ -46,6 +47,7 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     dtype_reason: str = "chosen by the caller"  # why these weights have their dtype (dtype=auto explains itself)
     prepack: str = "off: not loaded by load_model"  # "on: N linear layers" or "off: why"
+    ranks: Any = None  # tensor parallel: this shard's app.models.distributed.Ranks (None: the whole model here)
 
     @property
     def device(self) -> torch.device:
@@ -101,8 +103,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
-               max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none") -> LoadedModel:
+               max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
+               tensor_parallel: int = 1) -> LoadedModel:
+    """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
+    (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.distributed import DistributedConfig
 
     prepack = prepack_mode(prepack)
     torch_device = resolve_device(device)
@@ -114,17 +120,35 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if prepack == "true" and (why := prepack_support(torch_device, torch_dtype)):  # before minutes of loading
         raise ConfigError(f"PREPACK=true, but {why} (dtype: {dtype_reason}); set PREPACK=auto to prepack only "
                           "where it runs", param="prepack")
+    if tensor_parallel > 1 and quant != "none":
+        raise ConfigError(f"QUANT={quant} replaces the linear layers that tensor parallelism shards; use one or "
+                          "the other", param="quant")
+    if tensor_parallel > 1 and prepack == "true":
+        raise ConfigError("PREPACK=true, but tensor parallelism shards the linear layers that prepacking copies; "
+                          "set PREPACK=auto (off under tensor parallelism)", param="prepack")
     log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
     source, kwargs = _locate(name_or_path, Path(cache_dir))
+    ranks = None
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        # Straight onto the device in its dtype: loading on the CPU and then moving would hold the weights twice.
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch_device, **kwargs)
+        if tensor_parallel > 1:
+            if why := tp_plan_problem(config, tensor_parallel, name_or_path):  # before joining the other ranks
+                raise ConfigError(why, param="tensor_parallel")
+            ranks = Ranks(tensor_parallel, torch_device)
+            # Each rank reads only its shard; transformers puts it on this rank's device (LOCAL_RANK).
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel), **kwargs)
+        else:
+            # Straight onto the device in its dtype: loading on the CPU and then moving would hold the weights twice.
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch_device, **kwargs)
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
-    if quant != "none":
+    if ranks is not None:
+        # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
+        prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
+    elif quant != "none":
         quantize_linears(model, quant)  # every linear, lm_head included; nothing is left for prepack below
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
@@ -140,7 +164,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {model_len}", param="max_model_len")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
-                       prepack=prepack_state)
+                       prepack=prepack_state, ranks=ranks)
 
 
 def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:

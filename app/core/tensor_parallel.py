@@ -1,0 +1,166 @@
+"""Tensor parallelism in the engine: rank 0 decides every pass, the other ranks run the same pass on their shards.
+
+The model is split by transformers' own plan (app/models/distributed.py), so every forward pass is a collective:
+each rank must feed the same tokens at the same positions, and request by request the same caches. Rank 0 runs
+the whole engine (HTTP, admission, sampling); `Leader`, hooked into its StepRunner, broadcasts each pass's inputs
+just before running it:
+
+    ("pass", ended, packed, rows)  ended: request keys whose caches go; packed: forward_many or the solo functions
+                                   rows: (key, start, tokens, n_out, length, new) per request, in the
+                                   pass's order; new: (prompt_len, size) the first time a request runs
+    ("beat",)                      nothing to run; rank 0 is alive (app/models/distributed.py)
+    ("stop",)                      the server is shutting down
+
+`follow` is the loop on every other rank. It keeps a `Mirror` per request (its token ids and its own DynamicCache,
+which holds this rank's heads) and calls the very functions rank 0's StepRunner calls, so the two never diverge in
+which collectives they run (lm_head gathers its logits only where a token is to be chosen). Only rank 0 samples.
+
+`start` is rank 0's cache length for the row: a follower cuts its cache back to it first, which is how n-gram
+speculation's cropped drafts (app/core/speculative.py) stay mirrored without a message of their own. The prefix
+cache is off under tensor parallelism: its blocks would have to be mirrored on every rank.
+
+Any error in a pass on rank 0 is fatal (`RankLost`): the ranks may no longer agree on what ran, so the engine
+stops, every request in flight gets a clean error, and the process exits for its supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from app.core.batching import enable_packed_batching
+from app.core.generate import decode_step, forward_many, prefill
+from app.models.loading import LoadedModel
+
+log = logging.getLogger("app.core.engine")
+
+
+class RankLost(BaseException):
+    """The ranks no longer run in step. A BaseException so that no per-pass handler takes it for one request's
+    failure: it ends the engine (app/core/engine.py), and with it every request in flight."""
+
+
+class Leader:
+    """Rank 0's side: the message for each pass, sent just before the pass runs."""
+
+    def __init__(self, lm: LoadedModel, packed: bool):
+        self.ranks = lm.ranks
+        self.packed = packed
+        self._keys: dict[Any, int] = {}  # RequestHandle (by identity) -> the key the followers know it by
+        self._ended: list[int] = []  # keys whose caches the followers drop with the next message
+        self._next_key = itertools.count()
+
+    def begin_step(self, batch: list) -> None:
+        """The engine's active requests this step: any other request it was running has ended (finished,
+        failed, cancelled), and so has a cancelled one still listed."""
+        live = {handle for handle, _ in batch if not handle.cancelled.is_set()}
+        for handle in [h for h in self._keys if h not in live]:
+            self._ended.append(self._keys.pop(handle))
+
+    def forward(self, group: list, run: Callable[[list], torch.Tensor | None]) -> torch.Tensor | None:
+        """Broadcast this pass, then run it here: `run(group)` is the StepRunner's own forward."""
+        if self.ranks.lost:
+            raise RankLost(f"tensor parallel: a rank is gone ({self.ranks.lost})")
+        rows = []
+        for handle, seq, n, drafts in group:
+            new = handle not in self._keys
+            key = self._keys.setdefault(handle, next(self._next_key))
+            start = seq.cache.get_seq_length()
+            rows.append((key, start, seq.token_ids[0, start : start + n].tolist(), 1 + len(drafts), seq.length,
+                         (seq.prompt_len, seq.token_ids.shape[1]) if new else None))
+        ended, self._ended = self._ended, []
+        try:
+            self.ranks.send(("pass", ended, self.packed, rows))
+            return run(group)
+        except Exception as err:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            raise RankLost(f"tensor parallel: the pass failed on rank 0 or a rank is gone: "
+                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+
+
+class Mirror:
+    """A follower's copy of one request: what `prefill`, `decode_step` and `forward_many` read from a Sequence."""
+
+    def __init__(self, model, prompt_len: int, size: int):
+        self.prompt_len = prompt_len
+        self.length = prompt_len
+        self.token_ids = torch.zeros(1, size, dtype=torch.long, device=model.device)
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cache.get_seq_length() < self.prompt_len
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        return self.token_ids[:, self.length - 1 : self.length]  # [1, 1]
+
+    def feed(self, start: int, tokens: list[int], length: int) -> None:
+        """Take rank 0's view of this row: its cache length (cropping what rank 0 cropped) and the tokens fed."""
+        if (extra := self.cache.get_seq_length() - start) > 0:
+            self.cache.crop(-extra)
+        if self.cache.get_seq_length() != start:
+            raise RuntimeError(f"out of step: this rank's cache holds {self.cache.get_seq_length()} tokens, "
+                               f"rank 0's {start}")
+        self.token_ids[0, start : start + len(tokens)] = torch.tensor(tokens, device=self.token_ids.device)
+        self.length = length
+
+
+@torch.inference_mode()
+def follow(lm: LoadedModel) -> dict[int, Mirror]:
+    """Ranks > 0: run every pass rank 0 announces, until it says stop; returns the requests still held then.
+    Raises if rank 0 died or went silent."""
+    model, ranks = lm.model, lm.ranks
+    enable_packed_batching(model)  # as rank 0's engine does; the message says which path each pass takes
+    mirrors: dict[int, Mirror] = {}
+    while True:
+        message = ranks.receive()
+        if message[0] == "stop":
+            return mirrors
+        if message[0] != "pass":
+            continue  # a heartbeat
+        _, ended, packed, rows = message
+        for key in ended:
+            mirrors.pop(key, None)
+        work = []
+        for key, start, tokens, n_out, length, new in rows:
+            if new is not None:
+                mirrors[key] = Mirror(model, *new)
+            mirror = mirrors[key]
+            mirror.feed(start, tokens, length)
+            work.append((mirror, len(tokens), n_out))
+        run_pass(model, packed, work)
+
+
+def run_pass(model, packed: bool, work: list[tuple[Mirror, int, int]]) -> None:
+    """The follower's copy of StepRunner._forward: the same function on the same inputs as rank 0."""
+    if packed:
+        forward_many(model, [(mirror, n) for mirror, n, _ in work], [n_out for *_, n_out in work])
+        return
+    (mirror, n, _), = work
+    decode_step(model, mirror) if not mirror.prefilling else prefill(model, mirror, n)
+
+
+def run_follower(load: Callable[[], LoadedModel]) -> int:
+    """A follower process's whole life: load its shard, follow rank 0, leave the group. Exit code 1 if rank 0 died,
+    went silent or the ranks fell out of step."""
+    torch.set_grad_enabled(False)
+    # torchrun passes a SIGTERM or Ctrl-C to every rank at once; rank 0 then drains its requests, which still need
+    # this rank's passes, and says stop when it is done (or this rank sees it gone).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _: log.info("tensor parallel: signal %d; following rank 0 until it stops",
+                                                       number))
+    lm = load()
+    log.info("tensor parallel: rank %d of %d loaded its shard; following rank 0", lm.ranks.rank, lm.ranks.size)
+    try:
+        follow(lm)
+    except Exception as err:  # noqa: BLE001 - a follower has nobody to report to but its log and exit code
+        log.error("tensor parallel: rank %d stops: %s: %s", lm.ranks.rank, type(err).__name__, err)
+        return 1
+    finally:
+        lm.ranks.close()
+    return 0
