@@ -13,7 +13,7 @@ written:
   `input_json_delta`, never an empty one) and `content_block_stop`, then `message_delta` (stop reason and final
   usage) and `message_stop`. `ping` comes whenever nothing else has for PING_S (a long prompt prefilling). A
   failure after the 200 is an `error` event, and the stream ends there.
-Whitespace the model writes before a tool call or at the very end is no text block (Claude's answers have none).
+Whitespace alone (the model's newline before a tool call, say) makes no text block; Claude's answers have none.
 """
 
 from __future__ import annotations
