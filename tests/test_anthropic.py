@@ -160,7 +160,10 @@ def test_sdk_thinking_and_tool_round_trip(caller):
 
 
 def test_messages_become_the_chat_conversation():
-    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": "Be brief.", "messages": [
+    # Claude Code's billing header (a per-request hash) is left out, so prompts keep a common prefix
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=3f2a;"},
+              {"type": "text", "text": "Be brief."}]
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": system, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "ask the tool", "signature": "x"},
                                           {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "P"}}]},

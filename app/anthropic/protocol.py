@@ -15,8 +15,8 @@ parameters, grammar, engine and parsers serve it. The mapping:
   * `thinking` (only for a model that thinks): `enabled` -> `max_reasoning_tokens = budget_tokens`; `adaptive` ->
     thinking capped by `output_config.effort` if given; `disabled` or absent -> `enable_thinking: false` (Claude
     does not think unless asked). `budget_tokens` may be below Anthropic's minimum of 1,024: small models think less.
-    A model that does not think accepts `thinking` and ignores it, as vLLM and llama.cpp do: agents such as Claude
-    Code send it by default, and a 400 would stop them.
+    A model that does not think accepts `thinking` and ignores it (vLLM ignores it for every model): agents such as
+    Claude Code send it by default, and a 400 would stop them.
 
 What cannot be honoured gets a 400 that says why: images and documents (the model reads text only), Anthropic's
 server-side tools (web search, code execution: nothing here runs them), `mcp_servers`.
@@ -178,8 +178,11 @@ class _Conversation(BaseModel):
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.system:
-            system = self.system if isinstance(self.system, str) else "\n\n".join(b.text for b in self.system)
-            messages.append({"role": "system", "content": system})
+            # Claude Code's first system block is a billing header with a per-request hash: the model does not need
+            # it, and it would put a different first line on every prompt, defeating the prefix cache (as in vLLM)
+            texts = [self.system] if isinstance(self.system, str) else [
+                b.text for b in self.system if not b.text.startswith("x-anthropic-billing-header")]
+            messages.append({"role": "system", "content": "\n\n".join(texts)})
         for i, message in enumerate(self.messages):
             turn = user_turn if message.role == "user" else assistant_turn
             messages += turn(blocks(message.content), f"messages.{i}.content")
