@@ -257,3 +257,14 @@ def test_sdk_create_stream_count_and_missing_max_tokens(tiny):
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         client.messages.create(model="tiny", max_tokens=anthropic.omit, timeout=30,  # (the SDK's own default
                                messages=[{"role": "user", "content": QUESTION}])  # timeout needs max_tokens)
+
+
+def test_a_last_assistant_turn_is_continued(tiny):
+    """Anthropic's prefill: the answer continues the last assistant text instead of starting a new turn."""
+    prefill = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The capital is"}]
+    count = httpx.post(tiny.url + MESSAGES + "/count_tokens", json={"model": "tiny", "messages": prefill}).json()
+    text = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\nThe capital is"
+    expected = httpx.post(tiny.url + "/tokenize", json={"prompt": text}).json()["count"]
+    assert count == {"input_tokens": expected}
+    answer = httpx.post(tiny.url + MESSAGES, json=body(messages=prefill)).json()
+    assert answer["stop_reason"] == "max_tokens" and answer["content"][0]["type"] == "text"
