@@ -10,6 +10,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from app.anthropic.protocol import CountTokensRequest, MessagesRequest
+from app.anthropic.serving import MessagesServing
 from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -46,9 +48,11 @@ def require_api_key(request: Request, state: State) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    # compare_digest: the time taken must not reveal how much of the key matched
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
-        raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`")
+    bearer = token.strip() if scheme.lower() == "bearer" else ""
+    # compare_digest: the time taken must not reveal how much of the key matched; `x-api-key` is Anthropic's header
+    if not any(secrets.compare_digest(key.encode(), expected.encode())
+               for key in (bearer, request.headers.get("x-api-key", "").strip()) if key):
+        raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
 
 
 def get_serving(state: State) -> CompletionServing:
@@ -104,6 +108,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, serving: Serving):
     return await ResponsesServing(serving).create(body, request)
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request, serving: Serving):
+    return await MessagesServing(serving).create(body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, serving: Serving) -> dict:
+    return await MessagesServing(serving).count_tokens(body)
 
 
 @router.post("/v1/completions")

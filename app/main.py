@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_path
 from app.api import WEB_DIR, public, router
 from app.config import Settings
 from app.core.tensor_parallel import run_follower
@@ -29,7 +30,7 @@ from app.openai.serving import error_body
 from app.state import ServerState
 
 log = logging.getLogger("app.access")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 REPEAT_S = 1.0  # the same signal again within this long is the same request to stop, delivered twice
 
 
@@ -74,14 +75,22 @@ def served_openapi(app: FastAPI, model_id: str) -> dict:
     return app.openapi_schema
 
 
+def error_response(request: Request, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error shape; on Anthropic's routes (/v1/messages...), Anthropic's (app/anthropic/errors.py)."""
+    if is_messages_path(request.url.path):
+        status = anthropic_status(status)
+        body = anthropic_error(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServeError)
-    async def serve_error(_: Request, err: ServeError) -> JSONResponse:
+    async def serve_error(request: Request, err: ServeError) -> JSONResponse:
         headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded) else None
-        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+        return error_response(request, err.status, error_body(err), headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 and names the parameter; FastAPI's default is a 422 with a list.
         first = err.errors()[0] if err.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -90,19 +99,19 @@ def install_error_handlers(app: FastAPI) -> None:
             message, param = "the request body is not valid JSON", None
         else:
             message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                       "code": "invalid_value"}}, status_code=400)
+        return error_response(request, 400, {"error": {"message": message, "type": "invalid_request_error",
+                                                       "param": param, "code": "invalid_value"}})
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(err.detail), "type": "invalid_request_error", "param": None,
-                                       "code": None}}, status_code=err.status_code, headers=err.headers)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return error_response(request, err.status_code, {"error": {
+            "message": str(err.detail), "type": "invalid_request_error", "param": None, "code": None}}, err.headers)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
         logging.getLogger("app").exception("unhandled error")
-        return JSONResponse({"error": {"message": f"internal error: {type(err).__name__}", "type": "server_error",
-                                       "param": None, "code": None}}, status_code=500)
+        return error_response(request, 500, {"error": {"message": f"internal error: {type(err).__name__}",
+                                                       "type": "server_error", "param": None, "code": None}})
 
 
 class AccessAndLimits:
@@ -151,8 +160,10 @@ class AccessAndLimits:
                 self._log(scope, status["code"], started)
 
     async def _too_large(self, send, limit: int, scope) -> None:
-        body = json.dumps({"error": {"message": f"request body exceeds {limit} bytes", "type": "invalid_request_error",
-                                     "param": None, "code": "request_too_large"}}).encode()
+        message = f"request body exceeds {limit} bytes"
+        error = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                           "code": "request_too_large"}}
+        body = json.dumps(anthropic_error(413, message) if is_messages_path(scope.get("path", "")) else error).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

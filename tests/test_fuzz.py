@@ -1,8 +1,8 @@
 """Fuzz the HTTP API with schemathesis, from the server's own /openapi.json: every operation, positive cases (valid
 by the schema) and negative ones (not), over a real socket against the tiny model.
 
-What must hold for every request: no 5xx; every 4xx is OpenAI's error JSON; every 200 stream is well-formed SSE that
-ends with `[DONE]`. The context window and the default max_tokens are small, so a generated request costs little
+What must hold for every request: no 5xx; every 4xx is OpenAI's error JSON (Anthropic's on /v1/messages*); every 200
+stream is well-formed SSE that ends with `[DONE]` (with `message_stop` on /v1/messages). The context window and the default max_tokens are small, so a generated request costs little
 and the whole run takes a minute or two. Runs are derandomized: the same cases each time, so a failure reproduces.
 """
 
@@ -28,7 +28,7 @@ from conftest import ThreadServer
 pytestmark = pytest.mark.server
 # examples per operation and mode; operations without inputs (GET /health) have one case, whatever is asked
 EXAMPLES = {"POST /v1/chat/completions": 450, "POST /v1/completions": 270, "POST /tokenize": 180,
-            "POST /detokenize": 120}
+            "POST /detokenize": 120, "POST /v1/messages": 300, "POST /v1/messages/count_tokens": 120}
 NEGATIVE_SHARE = 0.5
 MIN_REQUESTS = 1000
 DERANDOMIZE = os.environ.get("FUZZ_RANDOM") is None  # FUZZ_RANDOM=1: new cases each run, to hunt for more
@@ -43,6 +43,8 @@ def header(response, name: str) -> str:
 def check_response(response, label: str) -> None:
     status = response.status_code
     assert status < 500, f"{label}: {status} {response.text[:500]}"
+    if label.startswith("POST /v1/messages"):
+        return check_anthropic_response(response, label)
     if status >= 400:
         body = response.json()
         assert list(body) == ["error"], f"{label}: {status} {body}"
@@ -56,6 +58,19 @@ def check_response(response, label: str) -> None:
         for payload in data[:-1]:
             chunk = json.loads(payload)
             assert "error" not in chunk, f"{label}: mid-stream error {chunk}"
+
+
+def check_anthropic_response(response, label: str) -> None:
+    status = response.status_code
+    if status >= 400:
+        body = response.json()
+        assert set(body) == {"type", "error"} and body["type"] == "error", f"{label}: {status} {body}"
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], f"{label}: {body}"
+    elif header(response, "content-type").startswith("text/event-stream"):
+        kinds = [json.loads(line[len("data: "):])["type"] for line in response.text.splitlines()
+                 if line.startswith("data: ")]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", f"{label}: {kinds}"
+        assert "error" not in kinds, f"{label}: mid-stream error {response.text[-300:]}"
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     inspection: Inspection | None = None  # each stage's top candidates, when params.inspect asks for them
     finish_reason: str | None = None  # "stop" | "length" on the last event
+    stop_string: str | None = None  # the stop string (of params.stop) that ended generation, if one did
 
 
 def check_request(prompt_ids: Seq[int], params: SamplingParams, vocab_size: int, max_context: int) -> int:
@@ -190,6 +191,9 @@ class Sequence:
             text, matched = self.stop_filter.feed(text)
         if matched:
             reason = "stop"  # the stop string and anything after it are never shown
+            event.stop_string = self.stop_filter.matched
+        elif stopped_by_id and event.token_id not in p.stop_token_ids:  # a stop string that is one special token
+            event.stop_string = self.detokenizer.tokenizer.added_tokens_decoder[event.token_id].content
         elif reason is not None:
             text += self.stop_filter.flush()  # a held tail that never became a stop string is real output
         event.text, event.finish_reason = text, reason

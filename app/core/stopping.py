@@ -38,6 +38,7 @@ class StopStringFilter:
     def __init__(self, stops: Iterable[str]):
         self.stops = tuple(stops)
         self.pending = ""  # text that could still be the start of a stop string
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's `stop_sequence`)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
@@ -46,9 +47,10 @@ class StopStringFilter:
         # The stop that completes first wins (generation stops right there), whatever the token split: with stops
         # "abcd" and "c", the text "abcd" shows "ab" whether it arrives as "abc"+"d" or in one piece. Among stops that
         # complete at the same character the earliest start wins: "xab" with stops "b" and "ab" shows "x".
-        matches = [(i + len(s), i) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        matches = [(i + len(s), i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if matches:
-            safe, self.pending = self.pending[: min(matches)[1]], ""
+            _, start, self.matched = min(matches)
+            safe, self.pending = self.pending[:start], ""
             return safe, True
         hold = self._longest_tail_that_starts_a_stop()
         safe, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]

@@ -49,6 +49,7 @@ class Choice:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     inspect: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
     parser: ToolCallParser | None = None  # set when the answer is searched for tool calls
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index, as parsed so far
 
@@ -108,6 +109,7 @@ class Choice:
             inspect = inspect_entry(tokenizer, event.inspection)
             self.inspect.append(inspect)
         self.finish_reason = finish_reason or self.finish_reason
+        self.stop_string = event.stop_string or self.stop_string
         return Delta(reasoning, content, logprobs, finish_reason, inspect, calls)
 
 

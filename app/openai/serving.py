@@ -59,12 +59,16 @@ class CompletionServing:
         prompt_ids = await self.encode_chat(body)
         return await self._serve(body, request, prompt_ids, chat=True)
 
-    async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+    async def encode_chat(self, body: ChatCompletionRequest, continue_final: bool = False) -> list[int]:
+        """`continue_final`: the last (assistant) message is the start of the answer, to be continued (Anthropic's
+        prefill), rather than a finished turn followed by a new one."""
         body.check_tools()
         if body.tools and self.tool_format is None:
             raise InvalidRequest(f"the chat template of {self.model_id!r} cannot show tools to the model, so "
                                  "`tools` cannot be served", param="tools")
-        return await self.encode_messages(body.chat_messages(), body.template_kwargs(), body.template_tools())
+        kwargs = body.template_kwargs() | ({"continue_final_message": True} if continue_final else {})
+        return await self.encode_messages(body.chat_messages(), kwargs, body.template_tools(),
+                                          add_generation_prompt=not continue_final)
 
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
