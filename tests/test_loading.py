@@ -185,3 +185,68 @@ def test_smollm_loads_as_auto_chooses_and_keeps_generate_s_greedy_tokens():
                                do_sample=False, max_new_tokens=24, eos_token_id=list(lm.eos_ids),
                                pad_token_id=0)[0, len(ids):].tolist()
     assert len(ours) >= 8 and ours == hf
+
+
+# /proc/cpuinfo `flags` lines of each CPU class, as cloud VMs show them. AMX cannot run here (qemu's TCG emulates no
+# AMX), so the AMX class's decisions are tested from its flags; its kernels only run on a real one.
+SAPPHIRE_RAPIDS = (
+    "flags : fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss ht "
+    "syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid tsc_known_freq pni "
+    "pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand "
+    "hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 "
+    "hle avx2 smep bmi2 erms invpcid rtm avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni "
+    "avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke "
+    "waitpkg avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq rdpid cldemote "
+    "movdiri movdir64b md_clear serialize tsxldtrk amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities")
+ZEN3 = ("flags : fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
+        "syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl nonstop_tsc cpuid extd_apicid "
+        "tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand "
+        "hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch osvw topoext invpcid_single ssbd "
+        "ibrs ibpb stibp vmmcall fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb "
+        "sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr rdpru wbnoinvd arat npt nrip_save umip pku ospke vaes "
+        "vpclmulqdq rdpid fsrm")
+ZEN4 = ZEN3 + (" avx512f avx512dq avx512ifma avx512cd avx512bw avx512vl avx512_bf16 avx512vbmi avx512_vbmi2 gfni "
+               "avx512_vnni avx512_bitalg avx512_vpopcntdq")
+ZEN5 = ZEN4 + " avx_vnni avx512_vp2intersect"  # this project's own CPU (AMD EPYC, family 26)
+SKYLAKE_X = ZEN3 + " avx512f avx512dq avx512cd avx512bw avx512vl"  # AVX-512 without VNNI or bf16
+# class: (dtype=auto, bf16 prepacking possible, QUANT=int8's engine)
+CPU_CLASSES = {"AVX2 (Zen 3)": (ZEN3, torch.float32, False, "x86"),
+               "AVX-512 (Skylake-X)": (SKYLAKE_X, torch.float32, True, "x86"),
+               "AVX-512 + BF16 + VNNI (Zen 4)": (ZEN4, torch.bfloat16, True, "x86"),
+               "AVX-512 + BF16 + VNNI + AVX-VNNI (Zen 5)": (ZEN5, torch.bfloat16, True, "x86"),
+               "AMX (Sapphire Rapids)": (SAPPHIRE_RAPIDS, torch.bfloat16, True, "onednn")}
+
+
+@pytest.mark.parametrize("cpu_class", CPU_CLASSES)
+def test_each_cpu_class_gets_its_kernels(cpu_class):
+    from app.models.cpu import features_from_cpuinfo, int8_engine
+
+    flags, dtype, bf16_prepack, engine = CPU_CLASSES[cpu_class]
+    features = features_from_cpuinfo(flags, cpu_class)
+    assert auto_dtype(CPU, features)[0] == dtype
+    assert (prepack_support(CPU, torch.bfloat16, features) is None) == bf16_prepack
+    assert prepack_support(CPU, torch.float32, features) is None  # fp32 copies: oneDNN's fp32 kernels run anywhere
+    chosen, why = int8_engine(features, ["qnnpack", "onednn", "x86", "fbgemm"])
+    assert chosen == engine and cpu_class in why
+    if engine == "onednn":
+        assert "AMX-INT8" in why and "AMX-BF16" in auto_dtype(CPU, features)[1]
+    else:
+        assert ("AVX512-VNNI" in why) == ("avx512_vnni" in flags)
+    # without fbgemm in the torch build every class falls back to oneDNN; without AVX2 there is no int8 engine
+    assert int8_engine(features, ["qnnpack", "onednn"])[0] == "onednn"
+    assert int8_engine(features, ["qnnpack"])[0] is None
+
+
+def test_this_machines_flags_read_as_torch_reads_them():
+    """The cpuinfo reader agrees with torch's own view on this machine, so the classes above are read the same way."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), None) \
+        if Path("/proc/cpuinfo").is_file() else None
+    here = cpu_features()
+    if flags is None or here.forced:
+        pytest.skip("no /proc/cpuinfo, or features forced by env vars")
+    if bool(torch.cpu.get_capabilities().get("avx512_f")) != ("avx512f" in flags.split()):
+        pytest.skip("CPUID and /proc/cpuinfo disagree: an emulated CPU (make test-avx2)")
+    from app.models.cpu import features_from_cpuinfo
+
+    from_line = features_from_cpuinfo(flags)
+    assert from_line.flags == here.flags and from_line.aten_capability == here.aten_capability
