@@ -100,8 +100,12 @@ def test_dtype_auto_never_times_anything(monkeypatch):
 def test_load_model_reports_its_dtype_and_why(tiny_dir):
     lm = load_model(str(tiny_dir), "cpu")
     assert (lm.dtype, lm.dtype_reason) == auto_dtype(CPU)
-    expected_prepack = "on: 15 linear layers" if prepack_support(CPU, lm.dtype) is None else "off: "
-    assert lm.prepack.startswith(expected_prepack)
+    if prepack_support(CPU, lm.dtype) is not None:
+        assert lm.prepack.startswith("off: ")
+    elif lm.dtype == torch.float32:
+        assert lm.prepack.startswith("on: 15 linear layers")
+    else:  # bf16: packed where it measured faster, with the figures (app/models/prepack.py)
+        assert lm.prepack.startswith(("on: ", "off: plain measured faster")) and "plain/packed" in lm.prepack
 
 
 def test_where_prepack_cannot_run_auto_serves_plain_layers_and_true_fails(tiny_dir, monkeypatch):
@@ -147,7 +151,9 @@ def test_two_starts_give_identical_greedy_answers(tiny_dir):
     env = {k: v for k, v in os.environ.items() if k not in ("DTYPE", "PREPACK")}
     runs = [subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=True)
             for _ in range(2)]
-    headers = [next(line for line in r.stderr.splitlines() if line.startswith("# dtype")) for r in runs]
+    # the dtype line, not prepack's figures: those are timings (which layers pack may differ; the tokens may not)
+    headers = [next(line for line in r.stderr.splitlines() if line.startswith("# dtype")).split("; prepack")[0]
+               for r in runs]
     assert headers[0] == headers[1] and str(auto_dtype(CPU)[0]).removeprefix("torch.") in headers[0]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
 
