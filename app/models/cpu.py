@@ -85,7 +85,7 @@ def cpu_features() -> CpuFeatures:
                        onednn_bf16=onednn_bf16, forced=forced)
 
 
-def features_from_cpuinfo(flags_line: str, name: str = "cpu from /proc/cpuinfo") -> CpuFeatures:
+def features_from_cpuinfo(flags_line: str, name: str = "x86") -> CpuFeatures:
     """The features a CPU with this /proc/cpuinfo `flags` line would show torch, unforced: tests decide for CPU
     classes this machine is not (an AMX Xeon on an AMD host), since AMX cannot be emulated here (qemu's TCG has no
     AMX, nor AVX-512 in the qemu that `make test-avx2` uses)."""
@@ -113,9 +113,9 @@ def int8_engine(features: CpuFeatures | None = None,
     for engine in ("x86", "fbgemm"):  # x86 runs linears on fbgemm, and is what torch picks by default
         if engine in engines:
             return engine, f"fbgemm's {vnni} kernels (cpu {cpu.describe()})"
-    if "onednn" in engines:
-        return "onednn", f"oneDNN's int8 kernels (cpu {cpu.describe()}; this torch has no fbgemm)"
-    return None, f"this torch build has no x86 int8 engine (it has {', '.join(engines) or 'none'})"
+    # Without fbgemm (a torch for another architecture) dynamic int8 stays off, as before: oneDNN's int8 is only
+    # chosen where it has kernels fbgemm lacks.
+    return None, f"this torch build has no fbgemm engine (it has {', '.join(engines) or 'none'})"
 
 
 def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tuple[torch.dtype, str]:

@@ -176,7 +176,8 @@ def _pack_bf16(model, mode: str) -> str:
         raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
     if not count:
         return "off: oneDNN refused the reorder (see the log)"
-    return f"on: {count} linear layers" + (f", the shapes where packed measured faster ({measured})" if measured else "")
+    where = f", the shapes where packed measured faster ({measured})" if measured else ""
+    return f"on: {count} linear layers{where}"
 
 
 def _pack_fp32_copies(model, strict: bool) -> str:

@@ -6,18 +6,20 @@ as much as the product itself: measured on Qwen2.5-0.5B on an AMD EPYC with AVX5
 took 36 ms per step plainly and 13 ms prepacked. Reordering once is what PyTorch's inductor (freezing), IPEX and
 vLLM's CPU backend do; we do it with the same private op inductor uses.
 
-Where it pays is measured, not assumed (PREPACK=auto, `measure_packing`): on an Intel Xeon with AMX, the packed
-model was slower than the plain one (a 1,537-token prompt's first token 4.35 s against 3.81 s, issue 21), since
-there plain bf16 matmuls already run on AMX kernels. So at load each distinct linear shape is timed plain and packed,
-on the model's own weights, at one decode row and at a 128-row prefill chunk (interleaved rounds), and packed only
-where the geometric mean of its two speed-ups is at least PACKED_MIN_SPEEDUP. PREPACK=true packs every layer, PREPACK=false none.
+Where it pays is measured, not assumed (PREPACK=auto, `measure_packing`): on an Intel Xeon with AMX the packed
+model was slower than the plain one (a 1,537-token prompt's first token 4.35 s against 3.81 s, issue 21), likely
+because plain bf16 matmuls there already run on oneDNN's AMX kernels (not measured: no AMX CPU was at hand). So at
+load each distinct linear shape is timed plain and packed, on the model's own weights, at one decode row and at a
+128-row prefill chunk (interleaved rounds), and packed only where the geometric mean of its two speed-ups is at
+least PACKED_MIN_SPEEDUP. PREPACK=true packs every layer, PREPACK=false none.
 
-Outputs: where the packed kernel is the one `nn.Linear` runs (AVX512_BF16 without AMX, here), bit-identical, which
-keeps our tokens equal to transformers' own. Where oneDNN picks another kernel for plain calls (AMX), their fp32 sums
-are added in another order, and a sum that lands near a bf16 rounding boundary rounds the other way: one bf16 step
-apart. That is what "N linear layers gave different results" was (an exact check where only rounding differed), so
-`prepack_linears` now bounds the difference by what rounding can do, and counts and logs the layers that round
-differently; a wrong kernel misses by far more, and its layer stays plain.
+Outputs: where the packed kernel sums as `nn.Linear`'s does (AVX512_BF16 without AMX: both are oneDNN's
+brg_matmul:avx512_core_bf16), bit-identical, which keeps our tokens equal to transformers' own. Where oneDNN runs
+plain calls on another kernel, the fp32 sums are added in another order, and one that lands near a bf16 rounding
+boundary rounds the other way: one bf16 step apart. Capping oneDNN at AVX512_CORE on a Zen 5 did that to 1 of
+Qwen2.5-0.5B's 169 linears, which the old exact check left plain ("N linear layers gave different results"; 4 on
+the AMX Xeon). So `prepack_linears` bounds the difference by what rounding can do, and counts and logs the layers
+that round differently; a wrong kernel misses by far more, and its layer stays plain.
 
 Where it runs: the reorder needs AVX512BW+VL+DQ or AVX-NE-CONVERT (app/models/cpu.py decides from the CPU's
 features); should it raise anyway, the model stays plain. A weight tied to the input embedding (SmolLM2's lm_head)
@@ -133,7 +135,8 @@ def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.L
 
 
 def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | None]]:
-    """(parent, name, linear) for each plain `nn.Linear`; linear is None where it shares the input embedding's weight."""
+    """(parent, name, linear) for each plain `nn.Linear`; linear is None where it shares the input embedding's
+    weight."""
     embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
