@@ -146,7 +146,7 @@ def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | No
 
 # A decode row and a prefill chunk (the engine's CPU chunk is 128 tokens); lm_head sees only the rows that sample.
 MEASURE_ROWS, HEAD_ROWS = (1, 128), (1, 8)
-MEASURE_REPS, MEASURE_LAYERS = 5, 4
+MEASURE_REPS, MEASURE_LAYERS = 6, 4  # an even count: each kind goes first equally often
 # Packed only where it measured this much faster: a tie keeps nn.Linear's own kernel, and so its exact outputs.
 PACKED_MIN_SPEEDUP = 1.05
 
@@ -178,10 +178,13 @@ class PackTiming:
 @torch.inference_mode()
 def measure_packing(model: nn.Module, reps: int = MEASURE_REPS) -> list[PackTiming]:
     """Time each distinct linear shape plain and packed, on up to MEASURE_LAYERS of its own layers in turn (so the
-    weights stream from memory as in a step, not from cache); `reps` rounds over every shape, row count and kind,
-    interleaved, after one round that is not counted (oneDNN creates its primitives then). Each figure is the
-    fastest of its rounds: on a busy machine (2 shared cores here) most rounds of a 0.05 ms call were delayed by
-    10-30 ms when another process held a core, which moved the median as well; a delay only ever adds."""
+    weights stream from memory as in a step, not from cache): `reps` rounds over every shape, row count and kind,
+    after one round that is not counted (oneDNN creates its primitives then).
+
+    Plain and packed take turns going first, since the first small call after a large one waited up to a scheduler
+    tick (4 ms) for oneDNN's second thread here. Each figure is the fastest of its rounds: on a busy machine (2
+    shared cores here) most rounds of a 0.05 ms call were delayed by 10-30 ms while another process held a core,
+    which moved the median too; a delay only ever adds."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     by_shape: dict[tuple[int, int], list[nn.Linear]] = {}
     for _, _, linear in _packable(model):
@@ -201,7 +204,8 @@ def measure_packing(model: nn.Module, reps: int = MEASURE_REPS) -> list[PackTimi
     for rep in range(reps + 1):
         for shape, rows, xs, layers, packed in trials:
             for x in xs:
-                for kind, mods in (("plain", layers), ("packed", packed)):
+                kinds = (("plain", layers), ("packed", packed))
+                for kind, mods in kinds[::-1] if rep % 2 else kinds:  # each goes first in half the rounds
                     start = time.perf_counter()
                     for mod in mods:
                         mod(x)
