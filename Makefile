@@ -45,6 +45,10 @@ test: setup chromium qemu
 # MKL and oneDNN all see an AVX2-only CPU and an AVX-512 instruction would crash as it does on one (~4 minutes).
 # Where qemu cannot be had (not x86-64 Linux, no apt), AVX-512 and AMX are hidden through torch's and oneDNN's
 # own variables instead, which picks the same kernels but cannot catch a stray instruction.
+# AMX cannot be emulated at all: qemu's TCG has no AMX (Debian's qemu 7.2 answers `-cpu max,+amx-tile` with "TCG
+# doesn't support requested feature", and CPUID then shows none; it has no AVX-512 either). So every CPU class's
+# choices (dtype, prepacking, int8 engine, llama.cpp's portable flags), AMX's included, are tested in the main pass
+# from /proc/cpuinfo flags lines (tests/cpu_flags.py); AMX's kernels themselves run only on a real AMX CPU.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py tests/test_logits.py
 # Kernels that choose by CPUID themselves (fbgemm's int8, xgrammar's mask, oneDNN's fp32 copies for batched rows)

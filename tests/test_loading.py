@@ -26,6 +26,7 @@ from app.models.loading import load_model, resolve_dtype
 from app.models.prepack import PackedLinear
 
 from conftest import MODEL_CACHE, ThreadServer
+from cpu_flags import PRE_AVX2_FLAGS, SAPPHIRE_RAPIDS_FLAGS, SKYLAKE_X_FLAGS, ZEN3_FLAGS, ZEN4_FLAGS, ZEN5_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -100,8 +101,12 @@ def test_dtype_auto_never_times_anything(monkeypatch):
 def test_load_model_reports_its_dtype_and_why(tiny_dir):
     lm = load_model(str(tiny_dir), "cpu")
     assert (lm.dtype, lm.dtype_reason) == auto_dtype(CPU)
-    expected_prepack = "on: 15 linear layers" if prepack_support(CPU, lm.dtype) is None else "off: "
-    assert lm.prepack.startswith(expected_prepack)
+    if prepack_support(CPU, lm.dtype) is not None:
+        assert lm.prepack.startswith("off: ")
+    elif lm.dtype == torch.float32:
+        assert lm.prepack.startswith("on: 15 linear layers")
+    else:  # bf16: packed where it measured faster, with the figures (app/models/prepack.py)
+        assert lm.prepack.startswith(("on: ", "off: plain measured faster")) and "plain/packed" in lm.prepack
 
 
 def test_where_prepack_cannot_run_auto_serves_plain_layers_and_true_fails(tiny_dir, monkeypatch):
@@ -147,7 +152,9 @@ def test_two_starts_give_identical_greedy_answers(tiny_dir):
     env = {k: v for k, v in os.environ.items() if k not in ("DTYPE", "PREPACK")}
     runs = [subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=True)
             for _ in range(2)]
-    headers = [next(line for line in r.stderr.splitlines() if line.startswith("# dtype")) for r in runs]
+    # the dtype line, not prepack's figures: those are timings (which layers pack may differ; the tokens may not)
+    headers = [next(line for line in r.stderr.splitlines() if line.startswith("# dtype")).split("; prepack")[0]
+               for r in runs]
     assert headers[0] == headers[1] and str(auto_dtype(CPU)[0]).removeprefix("torch.") in headers[0]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
 
@@ -185,3 +192,48 @@ def test_smollm_loads_as_auto_chooses_and_keeps_generate_s_greedy_tokens():
                                do_sample=False, max_new_tokens=24, eos_token_id=list(lm.eos_ids),
                                pad_token_id=0)[0, len(ids):].tolist()
     assert len(ours) >= 8 and ours == hf
+
+
+# class: (dtype=auto, bf16 prepacking possible, QUANT=int8's engine)
+CPU_CLASSES = {"AVX2 (Zen 3)": (ZEN3_FLAGS, torch.float32, False, "x86"),
+               "AVX-512 (Skylake-X)": (SKYLAKE_X_FLAGS, torch.float32, True, "x86"),
+               "AVX-512 + BF16 + VNNI (Zen 4)": (ZEN4_FLAGS, torch.bfloat16, True, "x86"),
+               "AVX-512 + BF16 + VNNI + AVX-VNNI (Zen 5)": (ZEN5_FLAGS, torch.bfloat16, True, "x86"),
+               "AMX (Sapphire Rapids)": (SAPPHIRE_RAPIDS_FLAGS, torch.bfloat16, True, "onednn")}
+
+
+@pytest.mark.parametrize("cpu_class", CPU_CLASSES)
+def test_each_cpu_class_gets_its_kernels(cpu_class):
+    from app.models.cpu import features_from_cpuinfo, int8_engine
+
+    flags, dtype, bf16_prepack, engine = CPU_CLASSES[cpu_class]
+    features = features_from_cpuinfo(flags, cpu_class)
+    assert auto_dtype(CPU, features)[0] == dtype
+    assert (prepack_support(CPU, torch.bfloat16, features) is None) == bf16_prepack
+    assert prepack_support(CPU, torch.float32, features) is None  # fp32 copies: oneDNN's fp32 kernels run anywhere
+    chosen, why = int8_engine(features, ["qnnpack", "onednn", "x86", "fbgemm"])
+    assert chosen == engine and cpu_class in why
+    if engine == "onednn":
+        assert "AMX-INT8" in why and "AMX-BF16" in auto_dtype(CPU, features)[1]
+    else:
+        assert ("AVX512-VNNI" in why) == ("avx512_vnni" in flags)
+    # a torch without fbgemm: oneDNN only where it brings AMX; otherwise no dynamic int8 (weight-only instead)
+    assert int8_engine(features, ["qnnpack", "onednn"])[0] == ("onednn" if engine == "onednn" else None)
+    assert int8_engine(features, ["qnnpack"])[0] is None
+    assert int8_engine(features_from_cpuinfo(PRE_AVX2_FLAGS), ["onednn", "x86"]) == (
+        None, "cpu x86 (DEFAULT) has no AVX2, which fbgemm and oneDNN's int8 kernels need")
+
+
+def test_this_machines_flags_read_as_torch_reads_them():
+    """The cpuinfo reader agrees with torch's own view on this machine, so the classes above are read the same way."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), None) \
+        if Path("/proc/cpuinfo").is_file() else None
+    here = cpu_features()
+    if flags is None or here.forced:
+        pytest.skip("no /proc/cpuinfo, or features forced by env vars")
+    if bool(torch.cpu.get_capabilities().get("avx512_f")) != ("avx512f" in flags.split()):
+        pytest.skip("CPUID and /proc/cpuinfo disagree: an emulated CPU (make test-avx2)")
+    from app.models.cpu import features_from_cpuinfo
+
+    from_line = features_from_cpuinfo(flags)
+    assert from_line.flags == here.flags and from_line.aten_capability == here.aten_capability

@@ -135,3 +135,38 @@ def test_dynamic_int8_quantizes_each_row_on_its_own_scale():
     relative = lambda got: ((got - exact)[1:].norm() / exact[1:].norm()).item()  # noqa: E731
     assert relative(together) < 0.02 and relative(alone) < 0.02
     assert ((together - alone)[1:].norm() / exact[1:].norm()).item() < 0.02
+
+
+@pytest.mark.skipif("dynamic" not in KERNELS, reason="no dynamic int8 engine on this CPU")
+@pytest.mark.parametrize("engine", [e for e in ("x86", "onednn") if e in torch.backends.quantized.supported_engines])
+def test_each_dynamic_engine_keeps_the_logits_close(plain, tiny_tokenizer, engine):
+    """oneDNN is what an AMX CPU gets (its AMX-INT8 kernels cannot run here, but its VNNI/AVX2 ones do, with the same
+    packing and numerics); x86 (fbgemm) is what every other x86 CPU gets."""
+    quantized = copy.deepcopy(plain)
+    quantize_linears(quantized, "int8", "dynamic", engine=engine)
+    assert {m.engine for m in quantized.modules() if isinstance(m, DynamicInt8Linear)} == {engine}
+    ids = torch.tensor([tiny_tokenizer.encode(PROMPTS[0])])
+    with torch.inference_mode():
+        assert relative_error(quantized(ids).logits, plain(ids).logits) < 0.03
+        assert relative_error(quantized(ids[:, :1]).logits, plain(ids[:, :1]).logits) < 0.03  # one decode row
+
+
+def test_a_weight_onednn_refuses_runs_on_fbgemm(plain, monkeypatch, caplog):
+    from app.models import quant
+
+    real_prepack = torch.ops.quantized.linear_prepack
+
+    def onednn_refuses(qweight, bias):
+        if torch.backends.quantized.engine == "onednn":
+            raise RuntimeError("onednn: unsupported weight")
+        return real_prepack(qweight, bias)
+
+    monkeypatch.setattr(quant.torch.ops.quantized, "linear_prepack", onednn_refuses)
+    if "x86" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no fbgemm to fall back on")
+    linear = nn.Linear(64, 32)
+    layer = quant._dynamic_linear(linear, "onednn")
+    assert layer.engine == "x86" and "oneDNN could not pack a 32 x 64 weight" in caplog.text
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert relative_error(layer(x), linear(x)) < 0.03

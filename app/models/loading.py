@@ -23,7 +23,7 @@ from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
-from app.models.prepack import PrepackFailed, prepack_linears
+from app.models.prepack import PrepackFailed, measure_packing, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
 
 log = logging.getLogger("app.models.loading")
@@ -46,7 +46,7 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     dtype_reason: str = "chosen by the caller"  # why these weights have their dtype (dtype=auto explains itself)
-    prepack: str = "off: not loaded by load_model"  # "on: N linear layers" or "off: why"
+    prepack: str = "off: not loaded by load_model"  # "on: N linear layers[, why and the figures]" or "off: why"
     ranks: Any = None  # tensor parallel: this shard's app.models.distributed.Ranks (None: the whole model here)
 
     @property
@@ -168,7 +168,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
 
 
 def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Prepack where it runs: bf16 in place (app/models/prepack.py: ~2.5x faster linears on a CPU, bit-identical),
+    """Prepack where it runs: bf16 in place where it measures faster (app/models/prepack.py),
     fp32 as a copy for the engine's batched rows (app/models/batch_rows.py); returns what was done, for the log,
     /ready and /v1/models."""
     if mode == "false":
@@ -178,14 +178,30 @@ def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
     elif dtype == torch.float32:
         return _pack_fp32_copies(model, strict=mode == "true")
     else:
-        try:
-            count = prepack_linears(model, strict=mode == "true")
-        except PrepackFailed as err:
-            raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
-        return f"on: {count} linear layers" if count else "off: oneDNN refused the reorder (see the log)"
+        return _pack_bf16(model, mode)
     if device.type == "cpu" and dtype == torch.float32:
         use_batch_rows(model, packed=False)  # a batch's wide linears as `W @ x.T`, which needs no copy
     return state
+
+
+def _pack_bf16(model, mode: str) -> str:
+    """PREPACK=true: every linear; auto: the shapes whose packed kernel measured faster here (app/models/prepack.py)."""
+    only, measured = None, ""
+    if mode == "auto" and (timings := measure_packing(model)):
+        wins = {(t.in_features, t.out_features) for t in timings if t.packs}
+        only = lambda linear: (linear.in_features, linear.out_features) in wins  # noqa: E731
+        measured = "; ".join(t.describe() for t in timings)
+        log.info("prepack: plain against packed, ms per layer call: %s", measured)
+        if not wins:
+            return f"off: plain measured faster on every shape ({measured})"
+    try:
+        count = prepack_linears(model, strict=mode == "true", only=only)
+    except PrepackFailed as err:
+        raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
+    if not count:
+        return "off: oneDNN refused the reorder (see the log)"
+    where = f", the shapes where packed measured faster ({measured})" if measured else ""
+    return f"on: {count} linear layers{where}"
 
 
 def _pack_fp32_copies(model, strict: bool) -> str:

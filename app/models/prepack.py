@@ -1,14 +1,25 @@
-"""CPU, bf16: reorder every linear weight once, at load, into oneDNN's blocked layout.
+"""CPU, bf16: reorder linear weights once, at load, into oneDNN's blocked layout, where that measures faster.
 
 Why: on the CPU, torch runs a bf16 `F.linear` through oneDNN, which first reorders the [out, in] weight into its
 blocked layout, on every call. A decode step is one matrix-vector product per weight, so that reorder costs
-as much as the product itself: measured here on Qwen2.5-0.5B, the 24 layers' linears took 36 ms per step
-plainly and 13 ms prepacked. Reordering once is what PyTorch's inductor (freezing), IPEX and vLLM's CPU backend
-do; we do it with the same private op inductor uses.
+as much as the product itself: measured on Qwen2.5-0.5B on an AMD EPYC with AVX512_BF16, the 24 layers' linears
+took 36 ms per step plainly and 13 ms prepacked. Reordering once is what PyTorch's inductor (freezing), IPEX and
+vLLM's CPU backend do; we do it with the same private op inductor uses.
 
-The kernel is oneDNN's in both cases, so outputs are bit-identical to `nn.Linear`, which keeps our tokens equal
-to transformers' own. `prepack_linears` checks that on every layer as it packs it, and leaves a layer plain
-wherever it is not (another CPU, another torch build).
+Where it pays is measured, not assumed (PREPACK=auto, `measure_packing`): on an Intel Xeon with AMX the packed
+model was slower than the plain one (a 1,537-token prompt's first token 4.35 s against 3.81 s, issue 21), likely
+because plain bf16 matmuls there already run on oneDNN's AMX kernels (not measured: no AMX CPU was at hand). So at
+load each distinct linear shape is timed plain and packed, on the model's own weights, at one decode row and at a
+128-row prefill chunk (interleaved rounds), and packed only where the geometric mean of its two speed-ups is at
+least PACKED_MIN_SPEEDUP. PREPACK=true packs every layer, PREPACK=false none.
+
+Outputs: where the packed kernel sums as `nn.Linear`'s does (AVX512_BF16 without AMX: both are oneDNN's
+brg_matmul:avx512_core_bf16), bit-identical, which keeps our tokens equal to transformers' own. Where oneDNN runs
+plain calls on another kernel, the fp32 sums are added in another order, and one that lands near a bf16 rounding
+boundary rounds the other way: one bf16 step apart. Capping oneDNN at AVX512_CORE on a Zen 5 did that to 1 of
+Qwen2.5-0.5B's 169 linears, which the old exact check left plain ("N linear layers gave different results"; 4 on
+the AMX Xeon). So `prepack_linears` bounds the difference by what rounding can do, and counts and logs the layers
+that round differently; a wrong kernel misses by far more, and its layer stays plain.
 
 Where it runs: the reorder needs AVX512BW+VL+DQ or AVX-NE-CONVERT (app/models/cpu.py decides from the CPU's
 features); should it raise anyway, the model stays plain. A weight tied to the input embedding (SmolLM2's lm_head)
@@ -18,6 +29,10 @@ stays plain too: the embedding needs it in the plain layout, so a packed copy wo
 from __future__ import annotations
 
 import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -49,10 +64,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _same_as_plain(linear: nn.Linear, packed: PackedLinear) -> bool:
+def _close_to_plain(linear: nn.Linear, packed: PackedLinear) -> bool | None:
+    """True if bit-identical to `nn.Linear`, False if within rounding of it, None if further off (a wrong kernel).
+
+    Both kernels sum exact bf16 products in fp32 and round the sum to bf16 once; in another order the fp32 sums
+    differ by far less than 1e-4 of the sum of |x * w| (the bound fp32 copies use, app/models/batch_rows.py), and the
+    final rounding then moves by at most one bf16 step of the result."""
     # One row (decode) and several rows in a batch (prefill, packed steps), on varied values.
     probe = torch.linspace(-2, 2, 5 * linear.in_features, dtype=linear.weight.dtype).reshape(1, 5, -1)
-    return all(torch.equal(linear(x), packed(x)) for x in (probe[:, :1], probe))
+    exact = True
+    for x in (probe[:, :1], probe):
+        want, got = linear(x).float(), packed(x).float()
+        if torch.equal(want, got):
+            continue
+        exact = False
+        scale = x.float().abs() @ linear.weight.float().abs().T
+        if linear.bias is not None:
+            scale = scale + linear.bias.float().abs()
+        bound = torch.finfo(linear.weight.dtype).eps * want.abs() + 1e-4 * scale
+        if not bool(((got - want).abs() <= bound).all()):
+            return None
+    return exact
 
 
 class PrepackFailed(RuntimeError):
@@ -60,40 +92,129 @@ class PrepackFailed(RuntimeError):
 
 
 @torch.no_grad()
-def prepack_linears(model: nn.Module, strict: bool = False) -> int:
-    """Swap each `nn.Linear` of `model` for a `PackedLinear`, in place; returns how many were packed.
+def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.Linear], bool] | None = None) -> int:
+    """Swap each `nn.Linear` of `model` (or each one `only` accepts) for a `PackedLinear`, in place; returns how many
+    were packed.
 
     If oneDNN refuses a reorder, the layers not yet packed stay plain (one log line), or with `strict` it raises
-    `PrepackFailed`. Either way each layer is `nn.Linear` or an exact `PackedLinear`, so the model still runs.
+    `PrepackFailed`. Either way each layer is `nn.Linear` or a `PackedLinear` within rounding of it, so the model
+    still runs.
     """
-    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    packed_count = kept = tied = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:  # subclasses (quantized layers and the like) keep their own forward
-                continue
-            if child.weight.data_ptr() in embedded:
-                tied += 1
-                continue
-            try:
-                packed = PackedLinear(child)
-            except RuntimeError as err:  # the CPU checks in app/models/cpu.py should make this unreachable
-                if strict:
-                    raise PrepackFailed(f"oneDNN could not reorder a bf16 weight here: {err}") from err
-                log.warning("prepack: oneDNN could not reorder a bf16 weight (%s); %d layers stay plain", err,
-                            sum(type(m) is nn.Linear for m in model.modules()))
-                return packed_count
-            if _same_as_plain(child, packed):
-                setattr(parent, name, packed)
-                packed_count += 1
-            else:
-                kept += 1
+    packed_count = kept = rounded = tied = 0
+    for parent, name, child in _packable(model):
+        if child is None:
+            tied += 1
+            continue
+        if only is not None and not only(child):
+            continue
+        try:
+            packed = PackedLinear(child)
+        except RuntimeError as err:  # the CPU checks in app/models/cpu.py should make this unreachable
+            if strict:
+                raise PrepackFailed(f"oneDNN could not reorder a bf16 weight here: {err}") from err
+            log.warning("prepack: oneDNN could not reorder a bf16 weight (%s); %d layers stay plain", err,
+                        sum(type(m) is nn.Linear for m in model.modules()))
+            return packed_count
+        same = _close_to_plain(child, packed)
+        if same is None:
+            kept += 1
+            continue
+        setattr(parent, name, packed)
+        packed_count += 1
+        rounded += not same
     if kept:
-        log.warning("prepack: %d linear layers gave different results packed and stayed plain", kept)
+        log.warning("prepack: %d linear layers gave results further from nn.Linear's than rounding explains, and "
+                    "stayed plain", kept)
+    if rounded:
+        log.info("prepack: %d packed layers round differently from nn.Linear (oneDNN runs another kernel for plain "
+                 "calls on this CPU), within one bf16 step", rounded)
     if tied:
         log.info("prepack: %d linear layer(s) share their weight with the input embedding and stay plain", tied)
     log.info("prepack: %d linear layers reordered for oneDNN", packed_count)
     return packed_count
+
+
+def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | None]]:
+    """(parent, name, linear) for each plain `nn.Linear`; linear is None where it shares the input embedding's
+    weight."""
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:  # subclasses (quantized layers and the like) keep their own forward
+                yield parent, name, None if child.weight.data_ptr() in embedded else child
+
+
+# A decode row and a prefill chunk (the engine's CPU chunk is 128 tokens); lm_head sees only the rows that sample.
+MEASURE_ROWS, HEAD_ROWS = (1, 128), (1, 8)
+MEASURE_REPS, MEASURE_LAYERS = 6, 4  # an even count: each kind goes first equally often
+# Packed only where it measured this much faster: a tie keeps nn.Linear's own kernel, and so its exact outputs.
+PACKED_MIN_SPEEDUP = 1.05
+
+
+@dataclass(frozen=True)
+class PackTiming:
+    """One linear shape, timed plain and packed (ms per layer call, the fastest round) at each row count."""
+    in_features: int
+    out_features: int
+    rows: tuple[int, ...]
+    plain_ms: tuple[float, ...]
+    packed_ms: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        """Plain time over packed, geometric mean over the row counts: > 1 where packing pays."""
+        ratios = [p / max(q, 1e-9) for p, q in zip(self.plain_ms, self.packed_ms)]
+        return math.prod(ratios) ** (1 / len(ratios))
+
+    @property
+    def packs(self) -> bool:
+        return self.speedup >= PACKED_MIN_SPEEDUP
+
+    def describe(self) -> str:
+        rows = ", ".join(f"{p:.3g}/{q:.3g} ms at {r}" for r, p, q in zip(self.rows, self.plain_ms, self.packed_ms))
+        return f"{self.in_features}x{self.out_features} plain/packed {rows}: {self.speedup:.2f}x"
+
+
+@torch.inference_mode()
+def measure_packing(model: nn.Module, reps: int = MEASURE_REPS) -> list[PackTiming]:
+    """Time each distinct linear shape plain and packed, on up to MEASURE_LAYERS of its own layers in turn (so the
+    weights stream from memory as in a step, not from cache): `reps` rounds over every shape, row count and kind,
+    after one round that is not counted (oneDNN creates its primitives then).
+
+    Plain and packed take turns going first, since the first small call after a large one waited up to a scheduler
+    tick (4 ms) for oneDNN's second thread here. Each figure is the fastest of its rounds: on a busy machine (2
+    shared cores here) most rounds of a 0.05 ms call were delayed by 10-30 ms while another process held a core,
+    which moved the median too; a delay only ever adds."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    by_shape: dict[tuple[int, int], list[nn.Linear]] = {}
+    for _, _, linear in _packable(model):
+        if linear is not None:
+            by_shape.setdefault((linear.in_features, linear.out_features), []).append(linear)
+    trials = []  # (shape, rows, inputs, plain layers, packed layers)
+    for shape, layers in by_shape.items():
+        layers = layers[:MEASURE_LAYERS]
+        try:
+            packed = [PackedLinear(layer) for layer in layers]
+        except RuntimeError:  # the reorder refused: prepack_linears logs it when it tries
+            continue
+        rows = HEAD_ROWS if any(layer is head for layer in layers) else MEASURE_ROWS
+        xs = [torch.randn(1, r, shape[0], dtype=layers[0].weight.dtype) for r in rows]
+        trials.append((shape, rows, xs, layers, packed))
+    samples: dict[tuple, list[float]] = {}
+    for rep in range(reps + 1):
+        for shape, rows, xs, layers, packed in trials:
+            for x in xs:
+                kinds = (("plain", layers), ("packed", packed))
+                for kind, mods in kinds[::-1] if rep % 2 else kinds:  # each goes first in half the rounds
+                    start = time.perf_counter()
+                    for mod in mods:
+                        mod(x)
+                    if rep:
+                        elapsed = (time.perf_counter() - start) * 1e3 / len(mods)
+                        samples.setdefault((shape, kind, x.shape[1]), []).append(elapsed)
+    return [PackTiming(*shape, rows, *(tuple(min(samples[shape, kind, r]) for r in rows)
+                                       for kind in ("plain", "packed")))
+            for shape, rows, *_ in trials]
 
 
 def decode_bytes_per_step(model: nn.Module) -> int:

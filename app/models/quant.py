@@ -2,10 +2,12 @@
 
 A decode step reads every weight once, so on a CPU its speed is bytes read / memory bandwidth: int8 reads a quarter
 of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chosen by what the model runs in:
-- fp32 activations on a CPU with fbgemm (x86 with AVX2 or better): dynamic int8, `quantized::linear_dynamic`.
+- fp32 activations on an x86 CPU with AVX2 or better: dynamic int8, `quantized::linear_dynamic`.
   Each call quantizes its input to uint8, row by row (see DynamicInt8Linear), and multiplies int8 x uint8 with
   int32 sums. It is the fastest here at every batch size (issue 14: 0.15 ms against fp32's 0.42 ms for one
-  896 x 4864 row, 0.25 against 1.57 ms for 8 rows).
+  896 x 4864 row, 0.25 against 1.57 ms for 8 rows). Its engine follows the CPU (app/models/cpu.py `int8_engine`):
+  oneDNN where there is AMX-INT8 (fbgemm has no AMX kernels, and torch's `x86` engine runs linears on fbgemm),
+  fbgemm's AVX512-VNNI or AVX2 kernels elsewhere; should oneDNN refuse a weight, fbgemm takes it.
 - anything else (bf16/fp16 activations, CUDA, a CPU without fbgemm): weight-only int8,
   `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
   It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.
@@ -18,12 +20,16 @@ unquantized model) and docs/performance.md lists the figures.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
+from typing import Iterator
 
 import torch
 from torch import nn
+
+from app.models.cpu import cpu_features, int8_engine
 
 log = logging.getLogger("app.models.quant")
 
@@ -31,10 +37,8 @@ QUANT_MODES = ("none", "int8")
 
 
 def dynamic_int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """fbgemm (in the 'x86' and 'fbgemm' engines) needs AVX2; without it torch has no fast dynamic int8 path."""
-    engines = torch.backends.quantized.supported_engines
-    return (device.type == "cpu" and dtype == torch.float32 and ("x86" in engines or "fbgemm" in engines)
-            and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    """fbgemm and oneDNN's int8 kernels need AVX2; without them torch has no fast dynamic int8 path."""
+    return device.type == "cpu" and dtype == torch.float32 and int8_engine()[0] is not None
 
 
 @functools.cache
@@ -94,7 +98,7 @@ class DynamicInt8Linear(nn.Module):
     (~20 us a call, ~3 ms a decode step).
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, engine: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = _per_channel_int8(linear.weight)
@@ -102,12 +106,19 @@ class DynamicInt8Linear(nn.Module):
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(),
                                                                torch.zeros_like(scales, dtype=torch.long), 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # the bias is added after the rescale
+            # Packed for the engine current now; the packed weight keeps its engine's kernel from then on.
+            self.engine = engine or torch.backends.quantized.engine
+            with _quantized_engine(self.engine):
+                self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # the bias: added after the rescale
+        # 7-bit activations where the kernel would add u8 x s8 pairs in a saturating int16 (no VNNI); oneDNN honours
+        # ONEDNN_MAX_CPU_ISA, fbgemm reads CPUID (ONEDNN_MAX_CPU_ISA=AVX2 on a VNNI CPU gave 9% off with oneDNN).
+        vnni = {"avx512_vnni", "amx_int8"} & cpu_features().flags if self.engine == "onednn" else fbgemm_has_vnni()
+        self.reduce_range = not vnni
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.weight_bytes = weight.numel() + scales.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
-        reduce_range = not fbgemm_has_vnni()
+        reduce_range = self.reduce_range
         if x.numel() == x.shape[-1]:
             out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range)
         else:
@@ -116,13 +127,38 @@ class DynamicInt8Linear(nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"engine={self.engine}")
 
 
-def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto") -> str:
+@contextlib.contextmanager
+def _quantized_engine(engine: str) -> Iterator[None]:
+    """Within: torch's quantized engine (a process-wide setting) is `engine`; restored after."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def _dynamic_linear(linear: nn.Linear, engine: str) -> DynamicInt8Linear:
+    try:
+        return DynamicInt8Linear(linear, engine)
+    except RuntimeError as err:  # oneDNN refused this weight: fbgemm has kernels wherever AVX2 is
+        fallback = next((e for e in ("x86", "fbgemm") if e in torch.backends.quantized.supported_engines), None)
+        if engine == "onednn" and fallback:
+            log.warning("quant=int8: oneDNN could not pack a %d x %d weight (%s); it runs on %s",
+                        linear.out_features, linear.in_features, err, fallback)
+            return DynamicInt8Linear(linear, fallback)
+        raise
+
+
+def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto") -> str:
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the kernel used.
 
     kernel: "auto" (dynamic where `dynamic_int8_supported`, else weight-only), "dynamic" or "weight_only".
+    engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
@@ -131,10 +167,12 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto")
     param = next(model.parameters())
     if kernel == "auto":
         kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
+    why = "weight-only"
     if kernel == "dynamic":
-        if "x86" in torch.backends.quantized.supported_engines:
-            torch.backends.quantized.engine = "x86"  # fbgemm for these shapes, with oneDNN where it is faster
-        make = DynamicInt8Linear
+        chosen, why = int8_engine() if engine == "auto" else (engine, f"engine={engine} was asked for")
+        if chosen is None:
+            raise ValueError(f"dynamic int8 cannot run here: {why}")
+        make = functools.partial(_dynamic_linear, engine=chosen)
     else:
         make = WeightOnlyInt8Linear
     _untie_lm_head(model)
@@ -145,7 +183,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto")
                 if type(child) is nn.Linear:
                     setattr(parent, name, make(child))
                     count += 1
-    log.info("quant=int8: %d linear layers now read int8 weights (%s kernel)", count, kernel)
+    log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
     return kernel
 
 
