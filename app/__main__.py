@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.bench import (compare as bench_compare, generate as bench_generate, grammar as bench_grammar,
                            quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts,
                            soak as bench_soak, tools as bench_tools)
+    from app.bench import routing as bench_routing
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
     bench_serve.add_arguments(bench_kinds.add_parser("serve", help="drive any OpenAI-compatible server"))
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_tools.add_arguments(bench_kinds.add_parser("tools", help="tool-call parsing: total and worst per token"))
     bench_soak.add_arguments(bench_kinds.add_parser("soak", help="a long mixed load, then checks that the server "
                                                     "held up (exit 1 if not)"))
+    bench_routing.add_arguments(bench_kinds.add_parser("routing", help="round-robin vs prefix-aware routing over N "
+                                                       "local replicas (stands in for the inference gateway)"))
 
     args = parser.parse_args(argv)
     try:
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_tools.run(args)
         elif args.bench_command == "soak":
             return bench_soak.run(args)
+        elif args.bench_command == "routing":
+            bench_routing.run(args)
         else:
             bench_serve.run(args)
         return 0

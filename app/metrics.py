@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 
+from app.gateway_metrics import add_gateway_metrics
+
 # `*_created` timestamps double the output and no dashboard uses them.
 disable_created_metrics()
 
@@ -48,6 +50,7 @@ class Metrics:
                                        "admission keeps this within the budget", registry=r)
         self.kv_cache_in_use = Gauge(f"{PREFIX}_kv_cache_used_bytes", "KV cache bytes the running requests hold now",
                                      registry=r)
+        add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
 
 
 def parse_samples(text: str) -> dict[str, float]:

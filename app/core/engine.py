@@ -36,7 +36,7 @@ from app.core.batching import enable_packed_batching
 from app.core.generate import Sequence, TokenEvent, check_request
 from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle
 from app.core.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
-from app.core.prefix_cache import PrefixCache, keeps_all_keys
+from app.core.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.step import StepRunner, default_prefill_tokens_per_step
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
@@ -163,6 +163,7 @@ class Engine:
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
             self._set_up_kv_budget()
             self._set_up_shortcuts()
+            self._export_kv_cache_gauges()
             if self.prefill_tokens_per_step is None:
                 self.prefill_tokens_per_step = default_prefill_tokens_per_step(self.lm.device)
             if self.lm.device.type == "cpu":  # sampled rows side by side (see choose_many); GPU kernels are async
@@ -214,6 +215,24 @@ class Engine:
             log.info("speculative decoding is off: drafts are verified in the packed pass and cropped afterwards, "
                      "which this model's attention does not allow")
             self.speculative = "off"
+
+    def _export_kv_cache_gauges(self) -> None:
+        """What an endpoint picker reads (app/gateway_metrics.py): KV usage 0..1 at each scrape, and the cache's
+        shape in prefix-cache blocks, the unit a prefix hit is counted in."""
+        self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
+        block = self.prefix_cache.block_size if self.prefix_cache is not None else DEFAULT_BLOCK_SIZE
+        blocks = self.kv_budget.capacity // max(1, self.kv_layout.bytes_for(block))
+        self.metrics.kv_cache_info.labels(block_size=str(block), num_gpu_blocks=str(blocks)).set(1)
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV budget that admitted requests reserve (each its prompt + max_tokens worst case),
+        0 to 1. Reserved, not used: admission compares the reservation with the budget, so this is what says
+        whether the next request would queue here. The prefix cache's bytes count as free, since a reservation
+        evicts them on demand (as vLLM counts cached but unreferenced blocks as free)."""
+        if self.kv_budget is None or self.kv_budget.capacity <= 0:
+            return 0.0 if self.kv_budget is None else 1.0
+        held = self.kv_budget.in_use - (self.prefix_cache.bytes if self.prefix_cache is not None else 0)
+        return min(1.0, max(0.0, held / self.kv_budget.capacity))
 
     def _serve(self) -> None:
         while True:
