@@ -216,3 +216,16 @@ def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny
         grammars.close()
     assert results[0] is results[1] is results[2] and results[3] is not results[0]
     assert len(compiled) == 2  # the shared schema compiled once
+
+
+def test_a_dead_end_through_the_responses_api_names_its_own_field(make_tiny_server):
+    """The same dead end reached through Responses' text.format is named `text.format`, not the chat field."""
+    server = make_tiny_server()
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 16,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": DEAD_END}}}
+    answer = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "text.format"
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["type"] == "error" and events[-1]["param"] == "text.format"
+    assert events[-1]["code"] == "grammar_dead_end"

@@ -54,7 +54,11 @@ class ResponsesServing:
         if body.stream:
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return EventSourceResponse(self._stream(answer, choices, request), ping=SSE_PING_S, headers=headers)
-        await self.serving.collect(choices, request)
+        try:
+            await self.serving.collect(choices, request)
+        except InvalidRequest as err:  # a grammar's dead end, say: named as this client sent it
+            err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
+            raise
         answer.add_whole(choices[0])
         return JSONResponse(answer.response("done"), headers=headers)
 
@@ -71,7 +75,8 @@ class ResponsesServing:
             failed = True
             log.warning("response %s failed: %s", answer.id, err.message)
             request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
-            yield answer.event("error", code=err.code or err.error_type, message=err.message, param=err.param)
+            yield answer.event("error", code=err.code or err.error_type, message=err.message,
+                               param=CHAT_TO_RESPONSES_PARAM.get(err.param, err.param))
         finally:
             if not finished:
                 for c in choices:  # after a failure, stopped by us, not by the client
