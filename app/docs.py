@@ -3,7 +3,8 @@
 A generated part sits between `<!-- figures:begin KIND [FILE ...] -->` and `<!-- figures:end -->` in a page; the
 text outside the markers is the authors'. KIND `settings` is the table of every field of `app.config.Settings`
 (so docs/configuration.md cannot drift from the code); the other kinds are benchmark tables made from the named
-JSON files under docs/results/ (app/bench/figures.py). `--check` writes nothing and exits 1 naming each page that
+JSON files under docs/results/ (app/bench/figures.py, run_tables.py, and cited_tables.py for tables whose cells
+cite figures of several files). `--check` writes nothing and exits 1 naming each page that
 differs, which is what tests/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
 the `docs` extra).
 """
@@ -65,9 +66,12 @@ def generate(args: str, results: Path) -> str:
     kind, *files = args.split()
     if kind == "settings":
         return settings_table()
-    if kind not in figures.TABLES:
-        raise ValueError(f"unknown figures kind {kind!r}; pick from settings, {', '.join(figures.TABLES)}")
-    return figures.TABLES[kind](figures.load(results, files))
+    tables = figures.tables()
+    if kind not in tables:
+        raise ValueError(f"unknown figures kind {kind!r}; pick from settings, {', '.join(tables)}")
+    if kind == "cited":  # its cells read other files in the same results folder
+        return tables[kind](figures.load(results, files), results)
+    return tables[kind](figures.load(results, files))
 
 
 def rewrite(text: str, results: Path) -> str:

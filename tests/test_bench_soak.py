@@ -33,6 +33,7 @@ def test_soak_passes_on_a_healthy_server(make_tiny_server, tmp_path, fast_mix, c
     assert soak.run(soak_args(server.url, tmp_path)) == 0, capsys.readouterr().out
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["ok"] and all(report["checks"].values())
+    assert report["bench"] == "soak" and report["machine"]["cores"] >= 1 and report["settings"]["burst"] == 24
     assert set(report["requests"]) >= {"stream", "non_stream", "bad", "burst"}
     assert report["streams_ok"] > 0 and report["rejected_429"] > 0 and report["server_5xx"] == 0
     assert report["kv_gauge_exposed"] is not None and report["rss"]["samples"] >= 2

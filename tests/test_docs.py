@@ -108,10 +108,24 @@ def test_a_changed_figure_in_the_json_changes_the_page(tmp_path):
     assert changed != page and "| simple-serve, `QUANT=int8` | 99.9 |" in changed
 
 
+def test_a_summary_reads_its_figures_from_the_runs_files(tmp_path):
+    """The At-a-glance table cites the shortcuts run's ratio; change it in the run's file and the summary follows."""
+    results = tmp_path / "results"
+    shutil.copytree(DOCS / "results", results)
+    page = (DOCS / "performance.md").read_text()
+    name = "shortcuts-zen3-2026-12-01.json"
+    data = json.loads((results / name).read_text())
+    data["prefix"]["warm_vs_cold"] = 0.5
+    (results / name).write_text(json.dumps(data))
+    glance = next(line for line in docs.rewrite(page, results).splitlines() if line.startswith("| prefix cache, TTFT"))
+    assert "| 0.500x | 0.021x | <= 0.15x |" in glance
+
+
 def test_every_cited_result_says_where_it_came_from():
     for path in sorted((DOCS / "results").glob("*.json")):
         r = json.loads(path.read_text())
-        assert r["schema"] == record.SCHEMA and r["bench"] in ("compare", "shortcuts", "quality", "routing"), path.name
+        assert r["schema"] == record.SCHEMA and r["bench"] in ("compare", "shortcuts", "quality", "routing", "grammar",
+                                                                  "generate", "soak", "cited"), path.name
         assert r["source"] and r["machine"]["cpu"] and r["machine"]["cores"], path.name
         assert "date" in r and "settings" in r and "versions" in r, path.name
     cited = {f for page in PAGES for m in docs.MARKED.finditer(page.read_text()) for f in m["args"].split()[1:]}

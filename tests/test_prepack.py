@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 
 import pytest
@@ -280,7 +281,8 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
     for key in ("ours", "ours_plain", "hf_generate", "hf_generate_prepacked", "ours_int8"):
         assert result[f"{key}_tokens_per_s"] > 0
     assert result["kv_bytes_held"] == result["kv_bytes_theory"] == 2 * 32 * 2 * 2 * 2 * 16 * 2
-    assert (tmp_path / "bench.json").is_file()
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written["bench"] == "generate" and written["machine"]["cores"] >= 1 and written["ours_vs_hf"] > 0
 
 
 @needs_prepack

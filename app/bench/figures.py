@@ -158,6 +158,13 @@ TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts
           "quality": quality_table}
 
 
+def tables() -> dict:
+    """Every table kind: these, the other benches' (run_tables) and the cited summaries (cited_tables)."""
+    from app.bench import cited_tables, run_tables  # they import this module's helpers
+
+    return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES}
+
+
 def markdown(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from app.bench import record
 from app.config import Settings
 from app.core.generate import Sequence, decode_step, prefill
 from app.models.loading import load_model
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         int8 = load_model(settings.model, settings.device, "auto", settings.model_cache, quant="int8")
         contenders["ours_int8"] = (time_our_loop, int8)
     result = {
-        "model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "prepacked": prepacked,
+        **record.envelope("generate", args), "model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "prepacked": prepacked,
         "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "weight_bytes_per_step": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token, "bytes_per_decode_step": int(bytes_per_step),
     }

@@ -6,6 +6,7 @@
 2) decode: the same batch decoding greedily with and without a json_schema grammar on every row, as the engine
    runs it (`forward_many` + `choose_many`): ms per step and the overhead in percent. Rows without a grammar never
    reach the mask code, so their cost is the plain figure.
+With `--out` the report is written as JSON that starts with `record.envelope` (machine, versions, settings, date).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from app.bench import record
 from app.config import Settings
 from app.core.batching import enable_packed_batching
 from app.core.constraints import Grammars
@@ -39,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24, help="decode steps per timed run")
     parser.add_argument("--batches", default="1,8", help="batch sizes to time")
     parser.add_argument("--engines-only", action="store_true", help="skip the decode runs (no model weights)")
+    parser.add_argument("--out", default=None, help="also write the figures as JSON here (docs/results/ keeps "
+                        "the ones the docs cite)")
 
 
 def time_engines(tokenizer, vocab_size: int, eos_ids: list[int], batches: list[int]) -> dict:
@@ -115,7 +120,8 @@ def run(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_grad_enabled(False)
     lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache)
-    report: dict = {"model": settings.model, "vocab_size": lm.vocab_size, "tokenizer_size": len(lm.tokenizer),
+    report: dict = {**record.envelope("grammar", args), "model": settings.model, "vocab_size": lm.vocab_size,
+                    "tokenizer_size": len(lm.tokenizer),
                     "engines": time_engines(lm.tokenizer, lm.vocab_size, list(lm.eos_ids), batches)}
     if not args.engines_only:
         if not enable_packed_batching(lm.model):
@@ -126,5 +132,8 @@ def run(args: argparse.Namespace) -> dict:
             plain, constrained = time_decode(lm, b, args.steps, None), time_decode(lm, b, args.steps, grammar)
             report[f"decode_b{b}"] = {"plain_ms": plain, "json_schema_ms": constrained,
                                       "overhead_pct": (constrained / plain - 1) * 100}
-    print(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "versions")}, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -19,6 +19,9 @@ Checks (the exit status is 1 when one fails):
 - `/health` answered within `--health-p99-ms` (100 ms) at the 99th percentile throughout the load: probed every
   `HEALTH_PROBE_S` from a thread of its own, so the soak's own busy event loop is not what is measured. A server
   whose event loop stalls (per-token work on it, a lock held too long) fails this.
+
+The JSON it writes (`--out`) starts with `record.envelope`: the machine, versions, settings and date, as every
+bench's does, so docs/results/ can keep a run and `make docs-figures` print its table.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from app.bench import record
 from app.bench.serve import Result, _one_request, build_prompt
 from app.bench.soak_report import END_GRACE_S, KV_GAUGE, print_report
 from app.metrics import parse_samples
@@ -330,7 +334,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    result = asyncio.run(Soak(args).run())
+    head = record.envelope("soak", args)  # dated when the load starts
+    result = {**head, **asyncio.run(Soak(args).run())}
     out = Path(args.out or f"bench-results/soak-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False))

@@ -1,0 +1,126 @@
+"""The docs' tables for `bench grammar`, `bench generate`, `bench soak` and `bench routing`, from their JSON.
+
+Each kind reads the keys the bench itself writes, so a fresh run's `--out` file drops into docs/results/ and its
+table follows; the older runs there are transcriptions of the README in the same keys, with only what it stated.
+Like app/bench/figures.py, a derived figure (an overhead, a ratio) is printed from the file, never recomputed from
+rounded figures.
+"""
+
+from __future__ import annotations
+
+from app.bench.figures import markdown, ms, provenance
+
+GRAMMAR_GOAL = "<= 10%"  # issue 9's bound on what a json_schema grammar may add to a decode step
+GENERATE_ROWS = {  # bench generate's contender -> its row, when the run had prepacked weights
+    "ours": "our loop, prepacked weights (as served)",
+    "ours_plain": "our loop, plain weights",
+    "hf_generate": "`model.generate()`, plain weights (as transformers runs it)",
+    "hf_generate_prepacked": "`model.generate()`, prepacked weights",
+    "ours_int8": "our loop, `QUANT=int8`",
+}
+
+
+def grammar_decode_table(runs: list[tuple[str, dict]]) -> str:
+    """One row per run and batch size: plain step, json_schema step, the bench's overhead, the goal."""
+    rows = []
+    for _, r in runs:
+        label = f", {r['label']}" if r.get("label") else ""
+        for key in sorted((k for k in r if k.startswith("decode_b")), key=lambda k: int(k.removeprefix("decode_b"))):
+            d = r[key]
+            overhead = f"{d['overhead_pct']:+.1f}%"
+            # a grammar cannot make a step faster: a negative overhead is the machine's noise
+            overhead += " (noise)" if d["overhead_pct"] < 0 else ""
+            rows.append([f"batch {key.removeprefix('decode_b')}{label}", f"{d['plain_ms']:.1f} ms",
+                         f"{d['json_schema_ms']:.1f} ms", overhead, GRAMMAR_GOAL])
+    head = ["", "plain step", "json_schema step", "overhead", "goal"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+def generate_table(runs: list[tuple[str, dict]]) -> str:
+    """Decode tokens/s of each contender per run, the TTFT of the runs that recorded it, and the memory floor."""
+    labels = [r.get("label") or f"run {i + 1}" for i, (_, r) in enumerate(runs)]
+    with_ttft = [(label, r) for label, (_, r) in zip(labels, runs) if r.get("ours_ttft_s") is not None]
+    head = [""] + [f"{label}: decode tokens/s" for label in labels] + [f"{label}: time to first token"
+                                                                     for label, _ in with_ttft]
+    rows = []
+    for key, name in GENERATE_ROWS.items():
+        if not any(f"{key}_tokens_per_s" in r for _, r in runs):
+            continue
+        rows.append([name] + [f"{r[f'{key}_tokens_per_s']:.1f}" if f"{key}_tokens_per_s" in r else "-"
+                              for _, r in runs] + [ms(r.get(f"{key}_ttft_s")) for _, r in with_ttft])
+    per_step = " / ".join(dict.fromkeys(f"{r['bytes_per_decode_step'] / 1e9:.3f}" for _, r in runs))
+    bandwidth = " / ".join(f"{r['read_GBps']:.1f}" for _, r in runs)
+    rows.append([f"memory floor: {per_step} GB read per step ÷ best read bandwidth of the run ({bandwidth} GB/s)"]
+                + [f"{r['floor_tokens_per_s']:.1f}" for _, r in runs] + ["" for _ in with_ttft])
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+def soak_table(runs: list[tuple[str, dict]]) -> str:
+    """What a soak run checked and found, one row per check, in words (the run's own report, app/bench/soak.py)."""
+    rows = []
+    for _, r in runs:
+        rows += soak_rows(r)
+    return markdown(["check", "result"], rows) + "\n\n" + provenance(runs)
+
+
+def soak_rows(r: dict) -> list[list[str]]:
+    n = lambda v: f"{v:,}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    sent, statuses, rss = r["requests"], dict(r["statuses"]), r["rss"]
+    kinds = [("stream", "streams"), ("non_stream", "non-streamed"), ("cancel", "cancelled mid-stream"),
+             ("timeout", "client timeouts"), ("bad", "invalid")]
+    load = "; ".join([f"{r['load_s'] / 60:.1f} minutes",
+                      ", ".join([f"{n(sent[k])} {words}" for k, words in kinds if k in sent]
+                                + [f"{n(r['bursts'])} bursts of {r['config']['burst']}"]),
+                      f"{n(r['completion_tokens'])} completion tokens"])
+    client_5xx = sum(v for k, v in statuses.items() if k.startswith("5"))
+    five = (f"{'none' if not client_5xx else n(client_5xx)} seen by the clients, "
+            f"{'none' if not r['server_5xx'] else n(r['server_5xx'])} counted by the server "
+            "(`simple_serve_requests_total`)")
+    silent = statuses.pop("none", 0)
+    ok = [f"{n(v)} × {k}" for k, v in statuses.items() if k.startswith("2")]
+    invalid = [f"{n(v)} × {k}" for k, v in statuses.items() if k.startswith("4") and k != "429"]
+    status_text = ", ".join(ok + [" and ".join([", ".join(invalid[:-1]), invalid[-1]] if len(invalid) > 1
+                                                else invalid) + " (the invalid requests, all with OpenAI error JSON)"])
+    if "429" in statuses:
+        status_text += f", {n(statuses['429'])} × 429 (the bursts past the queue cap, all with OpenAI error JSON)"
+    if silent:
+        status_text += f"; {n(silent)} client timeouts saw nothing, as intended"
+    streams = (f"{n(r['streams_ok'])} ended with `[DONE]`; {n(r['streams_clean_error'])} ended with a clean error "
+               f"(a 429 before the stream began, or an SSE error event); {n(r['cancelled_mid_stream'])} cancelled "
+               "mid-stream")
+    limit = r.get("rss_growth_limit", 0.05)
+    growth = (f"**{rss['growth']:+.2%}** from {rss['from_s']:.0f} s to the end: "
+              f"{'OK' if rss['growth'] < limit else 'FAILED'} (< {limit:.0%})")
+    raw = (f"{mib(rss['start_bytes'])} at {rss['from_s']:.0f} s → {mib(rss['end_bytes'])} at the end, "
+           f"{rss['raw_growth']:+.1%} (peak {mib(rss['peak_bytes'])})")
+    if rss.get("prefix_cache_end_bytes") is not None:
+        bound = r.get("server", {}).get("prefix_cache_bytes")
+        raw += (f": the prefix cache filled from {rss['prefix_cache_start_bytes'] / 2**20:,.1f} to "
+                f"{mib(rss['prefix_cache_end_bytes'])}")
+        raw += f", against its {bound // 2**20} MiB bound" if bound else ""
+    gauges = r["idle_gauges_after"]
+    names = {"simple_serve_active_sequences": "active sequences", "simple_serve_queue_depth": "queue"}
+    settled = r.get("settled_s")
+    after = ", ".join(f"{names.get(k, f'`{k}`')} {v:g}" for k, v in gauges.items()) + ", " + (
+        "never settled" if settled is None else "at once" if settled < 1 else f"after {settled:.1f} s")
+    return [["load", load], ["5xx", five], ["statuses", status_text], ["streams", streams],
+            ["RSS less the prefix cache", growth], ["RSS, raw", raw], ["after the load", after]]
+
+
+def routing_table(runs: list[tuple[str, dict]]) -> str:
+    """Per policy: pooled prefix-cache hit rate, TTFT p50 / p99, requests per replica, hit rate of each round."""
+    rows = []
+    for _, r in runs:
+        for name, p in r["policies"].items():
+            rows.append([name, f"{p['prefix_hit_rate']:.1%}", ms(p["ttft_s"]["p50"]), ms(p["ttft_s"]["p99"]),
+                         " / ".join(map(str, p["per_replica"])),
+                         ", ".join(f"{one['prefix_hit_rate']:.0%}" for one in p.get("rounds", []))])
+    head = ["policy", "prefix-cache hits", "TTFT p50", "TTFT p99", "requests per replica", "hit rate per round"]
+    lines = markdown(head, rows).splitlines()
+    lines[1] = "| --- | ---: | ---: | ---: | ---: | --- |"  # figures right-aligned
+    return "\n".join(lines) + "\n\n" + provenance(runs)
+
+
+TABLES = {"grammar-decode": grammar_decode_table, "generate": generate_table, "soak": soak_table,
+          "routing": routing_table}
