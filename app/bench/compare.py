@@ -29,6 +29,7 @@ import httpx
 from app.bench import record, serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
 from app.bench import llamacpp
+from app.bench.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
 SERVERS = ("ours", "ours-int8", "llama.cpp", "transformers", "transformers-cb")
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict[str, dict]] = {name: {} for name in scenarios}
     try:
         for kind in kinds:
-            port = llamacpp.free_port()
+            port = free_port()
             log = out.with_name(f"{out.stem}-{kind}.log")
             proc = subprocess.Popen(server_command(kind, model_dir, port, args, llama_server, gguf), env=env,
                                     stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
                 results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
     finally:
         for proc, _ in procs.values():
-            llamacpp.stop(proc)
+            stop(proc)
     report = {**record.envelope("compare", args), "model": str(model_dir), "dtype": args.dtype, "device": args.device,
               "results": results, "ratios": ratios(results)}
     if llama_build:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tarfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from app.bench.pip_index import download_sdist, find_sdist
+from app.bench.processes import free_port, stop
 from app.progress import run_with_progress
 
 # Pinned by version and hash: pip refuses this sdist by name, because its setuptools-scm metadata says 0.0.0.
@@ -170,21 +170,6 @@ def smoke_run(binary: Path, gguf: Path, log: Path, timeout: float = SMOKE_TIMEOU
         return f"crashed ({describe_exit(proc.returncode)})"
     finally:
         stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(binary: Path, gguf: Path, port: int, parallel: int, context_per_slot: int = 2048) -> list[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from app.bench import compare, record, serve as bench_serve
+from app.bench.processes import free_port, stop
 from app.bench.routing_policy import PrefixAware, ReplicaView, RoundRobin, make_trace, percentile
 from app.config import Settings
 from app.metrics import parse_samples
@@ -94,7 +95,7 @@ def replicas(args, model_dir: Path, out: Path, policy: str, threads: int):
     with ExitStack() as stack:
         urls, procs = [], []
         for i in range(args.replicas):
-            port = compare._free_port()
+            port = free_port()
             log = out.with_name(f"{out.stem}-{policy}-{i}.log")
             command = [*compare.server_command("ours", model_dir, port, argparse.Namespace(device="cpu",
                                                                                             dtype=args.dtype)),
@@ -107,14 +108,6 @@ def replicas(args, model_dir: Path, out: Path, policy: str, threads: int):
         for url, (proc, log) in zip(urls, procs):
             compare.wait_ready(url, "/ready", proc, args.ready_timeout, log)
         yield urls
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def index_capacity(samples: dict[str, float], prefix_cache_bytes: int) -> int:

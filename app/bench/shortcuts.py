@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from app.bench import compare, record, serve as bench_serve
+from app.bench.processes import free_port
 from app.config import DEFAULT_MODEL, Settings
 from app.models.fetch import EMBEDDED, fetch_model
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
 
 @contextmanager
 def our_server(args, model_dir: Path, out: Path, name: str, flags: list[str]):
-    port = compare._free_port()
+    port = free_port()
     log = out.with_name(f"{out.stem}-{name}.log")
     command = compare.server_command("ours", model_dir, port, args) + flags
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
