@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from app.bench import compare, record, serve as bench_serve
-from app.bench.processes import free_port
+from app.bench.processes import free_port, stop
 from app.config import DEFAULT_MODEL, Settings
 from app.models.fetch import EMBEDDED, fetch_model
 
@@ -115,11 +115,7 @@ def our_server(args, model_dir: Path, out: Path, name: str, flags: list[str]):
         compare.wait_ready(url, "/ready", proc, args.ready_timeout, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def chat(url: str, model_dir: Path, content: str, max_tokens: int, **extra) -> bench_serve.Result:
