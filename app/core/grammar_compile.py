@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from typing import BinaryIO
 
 _HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
@@ -62,6 +63,9 @@ class CompileWorker:
         env = dict(os.environ, OMP_NUM_THREADS="1")  # the child imports torch (through xgrammar): keep it small
         proc = subprocess.Popen([sys.executable, "-m", "app.core.grammar_compile"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env)
+        # A worker lives no longer than this object: a Grammars dropped without close() (a test's, say) would
+        # otherwise leave its ~300 MB process idle until this whole process exits and closes its stdin.
+        weakref.finalize(self, _kill, proc)
         write_frame(proc.stdin, self._info)
         if read_frame(proc.stdout) != OK:  # it has loaded the tables and is ready
             proc.kill()
@@ -92,9 +96,14 @@ class CompileWorker:
         return answer[1:].decode()
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+        if self._proc is not None:
+            _kill(self._proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 class CompilePool:
