@@ -50,6 +50,11 @@ class Settings(BaseSettings):
                                     "suffixes as KV_CACHE_BYTES (0 turns automatic prefix caching off)")
     speculative: Literal["ngram", "off"] = Field("ngram", description="n-gram speculative decoding: draft tokens "
                                                  "from the request's own prompt and output, verify them in one pass")
+    decode_step: Literal["eager", "compiled"] = Field("eager", description="compiled: steps where every request "
+                                                      "decodes one token run a step of fixed shapes over a KV pool "
+                                                      "allocated at start, compiled per batch bucket at start (CUDA: "
+                                                      "captured as graphs); not bit-identical to eager; not used "
+                                                      "while the prefix cache or speculation is on")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "

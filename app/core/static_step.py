@@ -33,7 +33,7 @@ from typing import Sequence as Seq
 import torch
 
 from app.core.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
-from app.models.logits import logits_from_hidden
+from app.models.logits import head_only
 
 log = logging.getLogger("app.core.engine")
 
@@ -72,12 +72,12 @@ class StaticDecodeStep:
     reference) or compiled per bucket."""
 
     def __init__(self, model, pool: KVPool, max_batch: int, max_context: int, compile: bool = True,
-                 options: dict | None = None):
+                 options: dict | None = None, buckets: Seq[int] | None = None):
         if model.config._attn_implementation not in (POOLED, "simple_serve_packed", "sdpa"):
             raise ValueError(f"the pooled step needs SDPA attention, not {model.config._attn_implementation}")
         model.set_attn_implementation(POOLED)  # packed_attention for every other call
         self.model, self.pool = model, pool
-        self.buckets = buckets_up_to(max_batch)
+        self.buckets = sorted(buckets) if buckets else buckets_up_to(max_batch)  # `buckets`: a bench's subset
         self.max_blocks = -(-max_context // pool.block_size)
         device, biggest = pool.device, self.buckets[-1]
         self.ids = torch.zeros(biggest, 1, dtype=torch.long, device=device)
@@ -86,9 +86,7 @@ class StaticDecodeStep:
         self.write_offset = torch.zeros(biggest, dtype=torch.long, device=device)
         self.table = torch.full((biggest, max(2, self.max_blocks)), pool.pad_block, dtype=torch.long, device=device)
         self.lengths = torch.ones(biggest, dtype=torch.long, device=device)
-        # transformers' own forward after the body (lm_head, any scaling): its head-only copy is made now, eagerly
-        logits_from_hidden(model, torch.zeros(1, 1, model.config.get_text_config(decoder=True).hidden_size,
-                                              dtype=pool.keys[0].dtype, device=device))
+        self.head = head_only(model)  # transformers' own forward after the body: lm_head, any scaling
         self.compiled = compile
         self.compile_seconds: dict[int, float] = {}
         self.steps = 0
@@ -110,7 +108,7 @@ class StaticDecodeStep:
         cache = _PoolWrites(self.pool, write_block, write_offset, table, mask)
         hidden = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                                   attention_mask={"full_attention": mask}).last_hidden_state  # [B, 1, H]
-        return logits_from_hidden(self.model, hidden)[:, -1].float()
+        return self.head(inputs_embeds=hidden, use_cache=False).logits[:, -1].float()
 
     def warm_up(self) -> None:
         """Compile every bucket now (pad rows only: nothing a request owns is touched)."""
@@ -164,7 +162,8 @@ class StaticDecodeStep:
         # One small host-to-device copy per buffer; the pad rows (rows..bucket) keep writing the pad block.
         self.ids[:rows] = torch.cat([seq.last_token for seq in seqs])
         self.positions[:rows, 0] = torch.tensor(positions)
-        self.write_block[:rows] = torch.tensor([seq.cache.block_ids[p // block_size] for seq, p in zip(seqs, positions)])
+        self.write_block[:rows] = torch.tensor([seq.cache.block_ids[p // block_size]
+                                                for seq, p in zip(seqs, positions)])
         self.write_offset[:rows] = torch.tensor([p % block_size for p in positions])
         self.lengths[:rows] = torch.tensor([p + 1 for p in positions])
         self.table[:rows, :width] = self.pool.pad_block
@@ -186,3 +185,29 @@ class StaticDecodeStep:
             self.write_offset[rows:bucket] = 0
             self.lengths[rows:bucket] = 1
             self.table[rows:bucket] = self.pool.pad_block
+
+
+def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool, prefix_cache: bool,
+                      speculative: bool, block_size: int = 16) -> StaticDecodeStep | None:
+    """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
+    log line saying why) where it does not apply, and the engine decodes eagerly as before."""
+    from app.core.batching import attention_windows  # the packed pass's own reading of the layer kinds
+
+    windows = attention_windows(lm.model) if batch_decode else None
+    why_not = ("this model's attention is not packed" if not batch_decode else
+               "some layers use sliding or other attention; the pooled step does full attention only"
+               if windows is None or any(w is not None for w in windows) else
+               "the prefix cache is on (PREFIX_CACHE_BYTES=0 turns it off)" if prefix_cache else
+               "speculative decoding is on (SPECULATIVE=off turns it off)" if speculative else None)
+    if why_not:
+        log.info("DECODE_STEP=compiled does not apply, decode steps stay eager: %s", why_not)
+        return None
+    per_block = KVPool.bytes_per_block(lm.model.config, block_size, lm.dtype)
+    blocks_per_row = -(-lm.max_context // block_size)
+    # as many blocks as max_batch full contexts need, capped by the KV budget (the pool is allocated once, now)
+    num_blocks = max(1, min(max_batch * blocks_per_row, kv_capacity_bytes // per_block))
+    pool = KVPool(lm.model.config, num_blocks, block_size, lm.dtype, lm.device)
+    log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size, num_blocks * per_block / 2**30)
+    step = StaticDecodeStep(lm.model, pool, max_batch, lm.max_context)
+    step.warm_up()
+    return step
