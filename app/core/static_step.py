@@ -107,7 +107,7 @@ class StaticDecodeStep:
             ~visible, torch.finfo(torch.float32).min)[:, None, None, :]
         cache = _PoolWrites(self.pool, write_block, write_offset, table, mask)
         hidden = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                                  attention_mask={"full_attention": mask}).last_hidden_state  # [B, 1, H]
+                                  attention_mask=mask).last_hidden_state  # [B, 1, H]; a 4D mask: kept as is
         return self.head(inputs_embeds=hidden, use_cache=False).logits[:, -1].float()
 
     def warm_up(self) -> None:
@@ -126,7 +126,7 @@ class StaticDecodeStep:
         if self.compiled:
             for tensor in inputs:  # the bucket is a static size: dynamo must not merge the buckets into one graph
                 torch._dynamo.mark_static(tensor, 0)
-            torch._dynamo.mark_dynamic(inputs[4], 1, min=2, max=max(2, self.max_blocks))
+            torch._dynamo.mark_dynamic(inputs[4], 1)  # widths are powers of two from 2: never 0 or 1
         with torch.inference_mode():
             return self._forward(*inputs)
 
