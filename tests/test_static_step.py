@@ -179,10 +179,11 @@ def test_engine_keeps_the_eager_step_while_the_prefix_cache_is_on(tiny_lm, tiny_
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_step_on_smollm2(dtype):
     """The same bounds on a real model (SmolLM2-135M), prompts in three languages, 32 tokens each."""
-    from conftest import _real
+    from conftest import MODEL_CACHE
+    from app.models.loading import load_model
 
-    torch._dynamo.reset()
-    lm = _real("smollm2-135m-instruct", dtype)
+    torch._dynamo.reset()  # bf16 prepacked linears do not compile (the engine falls back): unpacked here
+    lm = load_model(str(MODEL_CACHE / "smollm2-135m-instruct"), "cpu", dtype, prepack="false")
     assert enable_packed_batching(lm.model)
     pool = KVPool(lm.model.config, 64, 16, lm.dtype, "cpu")
     step = StaticDecodeStep(lm.model, pool, 4, lm.max_context, compile=True, buckets=[4])

@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> None:
           f"{'compiled ms':>13}{'speed-up':>10}{'same tokens':>13}")
     for name in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            lm = load_model(name, args.device, dtype, settings.model_cache, prepack=settings.prepack)
+            # bf16 prepacked linears do not compile (DECODE_STEP=compiled falls back): both paths run unpacked
+            prepack = "false" if dtype == "bfloat16" else settings.prepack
+            lm = load_model(name, args.device, dtype, settings.model_cache, prepack=prepack)
             torch.set_grad_enabled(False)
             enable_packed_batching(lm.model)
             for variant in args.variants.split(","):

@@ -34,6 +34,7 @@ import torch
 
 from app.core.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
 from app.models.logits import head_only
+from app.models.prepack import PackedLinear
 
 log = logging.getLogger("app.core.engine")
 
@@ -95,7 +96,10 @@ class StaticDecodeStep:
             if device.type == "cuda":  # untested here (no GPU): captured once per bucket and width, replayed
                 self._forward = torch.compile(self._eager_forward, mode="reduce-overhead", fullgraph=True)
             else:
-                self._forward = torch.compile(self._eager_forward, fullgraph=True, options=options or {})
+                # freezing: the weights become constants, so inductor can lower bf16 prepacked linears (oneDNN's
+                # packed weights, app/models/prepack.py), which it refuses as plain inputs
+                options = {"freezing": True} if options is None else options
+                self._forward = torch.compile(self._eager_forward, fullgraph=True, options=options)
             # one graph per bucket, all kept: past dynamo's limit it would fall back to eager, silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
 
@@ -198,7 +202,9 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
                "some layers use sliding or other attention; the pooled step does full attention only"
                if windows is None or any(w is not None for w in windows) else
                "the prefix cache is on (PREFIX_CACHE_BYTES=0 turns it off)" if prefix_cache else
-               "speculative decoding is on (SPECULATIVE=off turns it off)" if speculative else None)
+               "speculative decoding is on (SPECULATIVE=off turns it off)" if speculative else
+               "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
+               if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else None)
     if why_not:
         log.info("DECODE_STEP=compiled does not apply, decode steps stay eager: %s", why_not)
         return None
