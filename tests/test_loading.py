@@ -224,15 +224,18 @@ def test_each_cpu_class_gets_its_kernels(cpu_class):
         None, "cpu x86 (DEFAULT) has no AVX2, which fbgemm and oneDNN's int8 kernels need")
 
 
+CPUINFO_FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     None) if Path("/proc/cpuinfo").is_file() else None
+
+
+@pytest.mark.skipif(CPUINFO_FLAGS is None or bool(cpu_features().forced),
+                    reason="no /proc/cpuinfo, or features forced by env vars")
+@pytest.mark.skipif(CPUINFO_FLAGS is not None and bool(torch.cpu.get_capabilities().get("avx512_f"))
+                    != ("avx512f" in CPUINFO_FLAGS.split()),
+                    reason="CPUID and /proc/cpuinfo disagree: an emulated CPU (make test-avx2)")
 def test_this_machines_flags_read_as_torch_reads_them():
     """The cpuinfo reader agrees with torch's own view on this machine, so the classes above are read the same way."""
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), None) \
-        if Path("/proc/cpuinfo").is_file() else None
-    here = cpu_features()
-    if flags is None or here.forced:
-        pytest.skip("no /proc/cpuinfo, or features forced by env vars")
-    if bool(torch.cpu.get_capabilities().get("avx512_f")) != ("avx512f" in flags.split()):
-        pytest.skip("CPUID and /proc/cpuinfo disagree: an emulated CPU (make test-avx2)")
+    flags, here = CPUINFO_FLAGS, cpu_features()
     from app.models.cpu import features_from_cpuinfo
 
     from_line = features_from_cpuinfo(flags)

@@ -151,6 +151,8 @@ def test_each_dynamic_engine_keeps_the_logits_close(plain, tiny_tokenizer, engin
         assert relative_error(quantized(ids[:, :1]).logits, plain(ids[:, :1]).logits) < 0.03  # one decode row
 
 
+@pytest.mark.skipif("x86" not in torch.backends.quantized.supported_engines,
+                    reason="this torch has no fbgemm to fall back on")
 def test_a_weight_onednn_refuses_runs_on_fbgemm(plain, monkeypatch, caplog):
     from app.models import quant
 
@@ -162,8 +164,6 @@ def test_a_weight_onednn_refuses_runs_on_fbgemm(plain, monkeypatch, caplog):
         return real_prepack(qweight, bias)
 
     monkeypatch.setattr(quant.torch.ops.quantized, "linear_prepack", onednn_refuses)
-    if "x86" not in torch.backends.quantized.supported_engines:
-        pytest.skip("this torch has no fbgemm to fall back on")
     linear = nn.Linear(64, 32)
     layer = quant._dynamic_linear(linear, "onednn")
     assert layer.engine == "x86" and "oneDNN could not pack a 32 x 64 weight" in caplog.text
