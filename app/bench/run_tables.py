@@ -109,16 +109,20 @@ def soak_rows(r: dict) -> list[list[str]]:
 
 
 def routing_table(runs: list[tuple[str, dict]]) -> str:
-    """Per policy: pooled prefix-cache hit rate, TTFT p50 / p99, requests per replica, hit rate of each round."""
+    """Per policy: pooled prefix-cache hit rate, TTFT p50 / p99, requests per replica, and each round's hit rate and
+    TTFT p50 (how far one round's median moves from the next is what says how noisy the machine was)."""
     rows = []
     for _, r in runs:
         for name, p in r["policies"].items():
+            rounds = p.get("rounds", [])
             rows.append([name, f"{p['prefix_hit_rate']:.1%}", ms(p["ttft_s"]["p50"]), ms(p["ttft_s"]["p99"]),
                          " / ".join(map(str, p["per_replica"])),
-                         ", ".join(f"{one['prefix_hit_rate']:.0%}" for one in p.get("rounds", []))])
-    head = ["policy", "prefix-cache hits", "TTFT p50", "TTFT p99", "requests per replica", "hit rate per round"]
+                         ", ".join(f"{one['prefix_hit_rate']:.0%}" for one in rounds),
+                         ", ".join(ms(one.get("ttft_p50_s")) for one in rounds)])
+    head = ["policy", "prefix-cache hits", "TTFT p50", "TTFT p99", "requests per replica", "hit rate per round",
+            "TTFT p50 per round"]
     lines = markdown(head, rows).splitlines()
-    lines[1] = "| --- | ---: | ---: | ---: | ---: | --- |"  # figures right-aligned
+    lines[1] = "| --- | ---: | ---: | ---: | ---: | --- | --- |"  # figures right-aligned
     return "\n".join(lines) + "\n\n" + provenance(runs)
 
 
