@@ -1,7 +1,7 @@
 """The README and docs/ as a reader meets them: short README, pages that say what they cover, links that land,
-generated tables equal to what `make docs-figures` writes from app/config.py and docs/results/*.json, and every
-code block marked `<!-- runnable -->` run against a live server (the tiny model, served under the default model's
-id, so the blocks run unchanged but for the port)."""
+generated tables equal to what `make docs-figures` writes from app/config.py and docs/results/*.json, prose that
+repeats no measured figure those tables do not print, and every code block marked `<!-- runnable -->` run against a
+live server (the tiny model, served under the default model's id, so the blocks run unchanged but for the port)."""
 
 from __future__ import annotations
 
@@ -187,3 +187,107 @@ def test_the_charts_are_drawn_from_the_results(tmp_path, capsys):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000 for p in written)
     assert {p.name for p in written} <= {p.name for p in (DOCS / "figures").glob("*.png")}, "commit the new charts"
     assert "TTFT against prompt length" in capsys.readouterr().out  # says why that chart is missing
+
+
+# Issue 24: every measured figure in the docs comes from a committed JSON through `make docs-figures`. A figure typed
+# into prose drifts from the run it came from (and loses its CPU and date), so prose may repeat only a figure that a
+# generated block of the same page prints. The rule reads "a number with a unit of time, speed, size or ratio" as a
+# measurement; counts, versions, shapes (`896 x 4864`) and products (`24 × 2 × 64`) carry no such unit.
+FIGURE = re.compile(
+    r"(?<![\w.,/+-])(?P<a>\d[\d,]*(?:\.\d+)?)(?:(?:-|–|\s+to\s+)(?P<b>\d[\d,]*(?:\.\d+)?))?"
+    r"(?P<unit>\s?(?:x|×)(?!\s*\d)|%|\s?(?:ms|us|µs|GB/s|GFLOP/s|tok/s|KiB|MiB|GiB|KB|MB|GB)"
+    r"|\s(?:tokens/s|minutes|min|seconds|hours|s))(?![\w/])")
+# Prose that holds no measurement although it has such figures (arithmetic, a manifest's settings): each span says
+# why in its marker, where the next author sees it.
+UNMEASURED = re.compile(r"<!-- not measured: (?P<why>[^>]*?) -->.*?<!-- not measured:end -->", re.S)
+# Figures that are not measurements and are not a Settings default (those are allowed below): a rule of the code, a
+# setting of a manifest or a bench, a limit of another program. Each with its reason.
+NOT_MEASURED = {
+    ("anthropic.md", "5 s"): "the Messages stream's ping interval, PING_S in app/anthropic/serving.py",
+    ("architecture.md", "10%"): "the share of the card the default KV budget leaves free, a rule (vLLM's 0.9)",
+    ("configuration.md", "10%"): "the same rule, in KV_CACHE_BYTES' description",
+    ("limits.md", "10%"): "the same rule, in the limits table",
+    ("limits.md", "256 MiB"): "the grammar cache's byte bound, a constant in app/core/constraints.py",
+    ("limits.md", "100 ms"): "bench soak's default --health-p99-ms and the adversarial test's bound",
+    ("deployment.md", "20 min"): "the startupProbe's budget in docker/k8s/deployment.yaml",
+    ("deployment.md", "5 s"): "the preStop sleep in docker/k8s/deployment.yaml",
+    ("deployment.md", "10 s"): "the margin in terminationGracePeriodSeconds, docker/k8s/deployment.yaml",
+    ("benchmarking.md", "5%"): "bench soak's RSS-growth threshold, a rule of the bench",
+    ("benchmarking.md", "6 s"): "how long tests/test_bench_soak.py runs the soak, a setting of the test",
+    ("benchmarking.md", "10 minutes"): "make gpu-check's time budget, stated in scripts/gpu_check.sh's header",
+    ("configuration.md", "1.8 GiB"): "the default model's linears in fp32, a size fixed by the weights, not a reading",
+    ("performance.md", "1.8 GiB"): "the same size, as the start log states it",
+    ("performance.md", "24 GiB"): "the Zen 3 machine's RAM, part of its description",
+    ("performance.md", "5%"): "PREPACK=auto's threshold (a 1.05 speed-up), a rule of the code",
+    ("performance.md", "30 minutes"): "the soak's --minutes setting, named in the heading",
+    ("scaling.md", "30 s"): "how long torchrun waits after passing on a SIGTERM, torchrun's own rule",
+    ("scaling.md", "600 s"): "the HTTPRoute's request timeout in the manifests",
+    ("scaling.md", "15 s"): "a common gateway default timeout, cited as the reason for the one above",
+    ("scaling.md", "50 ms"): "the picker's scrape interval, which bench routing copies",
+    ("scaling.md", "56 KiB"): "Qwen2.5-7B's KV per token, arithmetic from its config.json (deployment.md)",
+    ("scaling.md", "12 MiB"): "the replicas' PREFIX_CACHE_BYTES in bench routing, a setting of the bench",
+}
+
+
+def settings_defaults() -> set[str]:
+    """Each Settings default as prose writes it (`30 s`, `512 MiB`, `1 MiB`): a default is a choice, not a reading."""
+    said = set()
+    for name, field in Settings.model_fields.items():
+        value = field.default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name.endswith("_bytes") and value % 2**20 == 0:
+            said.add(f"{value // 2**20} MiB")
+        elif name.endswith("_s"):
+            said.add(f"{value:g} s")
+    return said
+
+
+def figures_in(text: str) -> list[str]:
+    """Each figure as `1.27x`, `1,092 ms`, `+1.65%`; a range `2.7-2.95x` gives both ends."""
+    found = []
+    for m in FIGURE.finditer(text):
+        unit = m["unit"].strip()
+        unit = unit if unit in ("x", "×", "%") else " " + unit
+        found += [f"{number}{unit}" for number in (m["a"], m["b"]) if number]
+    return found
+
+
+def prose(page: str, name: str) -> str:
+    """The page less its generated blocks, its not-measured spans, code (commands, settings' own values, program
+    output) and comments."""
+    text = docs.MARKED.sub("", page)
+    assert all(m["why"].strip() for m in UNMEASURED.finditer(text)), f"{name}: a span without its reason"
+    for pattern in (UNMEASURED, re.compile(r"```.*?```", re.S), re.compile(r"<!--.*?-->", re.S),
+                    re.compile(r"`[^`\n]*`")):
+        text = pattern.sub("", text)
+    return text
+
+
+def typed_figures(page: str, name: str) -> list[str]:
+    """The figures of a page's prose that no generated block of the page prints, nor the allowances above."""
+    cited = set(figures_in("\n".join(m["body"] for m in docs.MARKED.finditer(page))))
+    allowed = cited | settings_defaults() | {f for page_name, f in NOT_MEASURED if page_name == name}
+    return [f for f in figures_in(prose(page, name)) if f not in allowed]
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: p.name)
+def test_prose_repeats_only_figures_its_generated_blocks_print(page):
+    typed = typed_figures(page.read_text(), page.name)
+    assert not typed, (f"{page.name}: measured figures typed into prose: {typed}; put them in a "
+                       "docs/results/cited-*.json and a generated block, or point to the block that prints them")
+
+
+def test_the_prose_check_catches_a_typed_figure():
+    page = ("# T\n\n<!-- figures:begin cited x.json -->\n| a | 1.27x | 1,092 ms |\n<!-- figures:end -->\n\n"
+            "Ours ran 1.27x faster (1,092 ms); `MAX_ACTIVE=8`, 30 s of grace.\n")
+    assert typed_figures(page, "t.md") == []
+    assert typed_figures(page + "Then 1.31x, in 2.7-2.95x, at 40 tokens/s and 12.5%.\n", "t.md") == [
+        "1.31x", "2.7x", "2.95x", "40 tokens/s", "12.5%"]
+    assert typed_figures("# T\n\nShapes 896 x 4864 and 24 × 2 × 64 bytes; HTTP 429s; version 5.24.\n", "t.md") == []
+
+
+def test_every_allowance_is_still_needed():
+    """An entry whose figure left its page would let a measurement of the same value in later: drop it instead."""
+    stale = [key for key in NOT_MEASURED if key[1] not in figures_in(prose((DOCS / key[0]).read_text(), key[0]))]
+    assert not stale, f"NOT_MEASURED entries no page needs any more: {stale}"
