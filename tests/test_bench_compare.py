@@ -1,10 +1,14 @@
 """`python -m app bench compare` end to end, on the tiny model saved to disk: it starts ours and
-`transformers serve` as real processes, drives both with the same load and prints one table with ratios."""
+`transformers serve` as real processes, drives both with the same load and prints one table with ratios.
+`--prompt-lens` (TTFT against prompt length) runs on fake servers: short scripts whose first token waits in
+proportion to the prompt, so the recorded series and the ratio to llama.cpp are known in advance."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +98,156 @@ def test_llamacpp_is_skipped_with_a_message_without_cmake(tmp_path, monkeypatch,
     # a local model directory has no GGUF for llama.cpp to serve
     assert compare.prepare_llamacpp(Namespace(model=str(tmp_path)), ["llama.cpp", "ours"])[2] == ["ours"]
     assert "not an embedded model" in capsys.readouterr().out
+
+
+# -- TTFT against prompt length (`--prompt-lens`), on fake servers ------------------------------------------------
+
+# A fake OpenAI-compatible server: it streams a few tokens after a first-token delay proportional to the prompt,
+# reports the prompt tokens it counted (a quarter of the characters, plus 10 for a chat template) and logs every
+# prompt it got. It dies (SIGKILL, as the OOM killer would) at the first prompt longer than DIES_OVER characters.
+FAKE_SERVER = r"""
+import http.server, json, os, signal, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+kind, seconds_per_token, dies_over, log = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        with open(log, "a") as f:
+            f.write(json.dumps({"server": kind, "prompt": prompt}) + "\n")
+        if 0 <= dies_over < len(prompt):
+            os.kill(os.getpid(), signal.SIGKILL)
+        tokens = len(prompt) // 4 + 10
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        time.sleep(seconds_per_token * tokens)
+        for _ in range(body["max_tokens"]):
+            self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a "}}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": tokens, "completion_tokens": body["max_tokens"]}
+        self.wfile.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\ndata: [DONE]\n\n").encode())
+
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def compare_on_fakes(tmp_path, monkeypatch, behaviour: dict[str, tuple[float, int]], *argv: str) -> tuple[dict, list]:
+    """`bench compare` with each server a fake: behaviour[kind] = (seconds per prompt token, dies over N chars or
+    -1). Returns the report and the prompts the servers got, in order."""
+    from app.bench import compare
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    script, log = tmp_path / "fake_server.py", tmp_path / "prompts.jsonl"
+    script.write_text(FAKE_SERVER)
+    monkeypatch.setattr(compare, "prepare_llamacpp", lambda args, kinds: (None, None, kinds, "native: fake"))
+    monkeypatch.setattr(compare, "server_command", lambda kind, model_dir, port, args, *_: [
+        sys.executable, str(script), kind, str(behaviour[kind][0]), str(behaviour[kind][1]), str(log),
+        "--port", str(port)])
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--model", str(model), "--servers", ",".join(behaviour), "--concurrency", "2",
+                              "--single-requests", "1", "--loaded-requests", "2", "--max-tokens", "4",
+                              "--prompt-len", "20", "--out", str(tmp_path / "compare.json"), "--ready-timeout", "60",
+                              *argv])
+    report = compare.run(args)
+    assert json.loads((tmp_path / "compare.json").read_text()) == report
+    return report, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_prompt_lens_record_ttft_per_server_and_length_and_compare_to_llamacpp(tmp_path, monkeypatch, capsys):
+    from app.bench import figures
+
+    behaviour = {"ours": (0.0004, -1), "ours-int8": (0.0006, -1), "llama.cpp": (0.0008, -1)}
+    report, sent = compare_on_fakes(tmp_path, monkeypatch, behaviour, "--prompt-lens", "256,64",
+                                    "--prompt-len-requests", "3")
+    by_server = report["ttft_by_prompt_len"]
+    assert list(by_server) == ["ours", "ours-int8", "llama.cpp"]
+    tagged = [s for s in sent if s["prompt"].startswith("Prompt ")]
+    for kind, entries in by_server.items():
+        assert list(entries) == ["64", "256"]  # ascending, whatever order they were given in
+        for length, entry in entries.items():
+            assert entry["requests"] == {"total": 3, "succeeded": 3, "failed": 0}, entry["errors"]
+            got = [len(s["prompt"]) // 4 + 10 for s in tagged if s["server"] == kind
+                   and s["prompt"].startswith(f"Prompt {length}-")]
+            assert entry["prompt_tokens"] == pytest.approx(sum(got) / 3)  # what the server reported, as recorded
+            assert entry["ttft_s"]["n"] == 3
+        # the fakes' first token waits in proportion to the prompt: the recorded series shows it
+        assert entries["256"]["ttft_s"]["p50"] > 2 * entries["64"]["ttft_s"]["p50"]
+    # every server got the same texts, and no two of those texts share more than the tag's opening with each other
+    # or with any scenario's prompt, so no prompt cache can serve one from another
+    texts = {kind: [s["prompt"] for s in tagged if s["server"] == kind] for kind in behaviour}
+    assert texts["ours"] == texts["ours-int8"] == texts["llama.cpp"] and len(texts["ours"]) == 6
+    others = [s["prompt"] for s in sent if s["server"] == "ours"]
+    for text in texts["ours"]:
+        shared = max(len(os.path.commonprefix([text, other])) for other in others if other is not text)
+        assert shared <= len("Prompt 256-"), text[:40]
+    assert report["prompt_lens_counted_with"].startswith("an estimate")  # the fake model has no tokenizer
+    ratios = report["ratios"]["ttft_vs_llamacpp_at_largest_prompt_len"]
+    assert ratios["prompt_len"] == 256
+    assert ratios["ttft_p50"]["ours"] == pytest.approx(0.5, abs=0.15)
+    assert ratios["ttft_p50"]["ours-int8"] == pytest.approx(0.75, abs=0.15)
+    out = capsys.readouterr().out
+    assert "TTFT p50 against prompt length (1 stream, 3 requests each" in out
+    table = out.split("TTFT p50 against prompt length")[1].splitlines()
+    assert table[1].split() == ["server", "64", "tokens", "256", "tokens"]
+    assert [row.split()[0] for row in table[2:5]] == ["ours", "ours-int8", "llama.cpp"]
+    printed = re.search(r"~256-token prompt, TTFT p50, ours / llama.cpp: (\d+\.\d\d)x \(", out)
+    assert printed and float(printed[1]) == pytest.approx(ratios["ttft_p50"]["ours"], abs=0.006)
+    assert "ours-int8 / llama.cpp: " in out
+    # the file the run wrote renders as the docs' table kind
+    table = figures.tables()["ttft-by-prompt-length"]([("compare.json", report)])
+    assert table.startswith("| server | ~64 tokens: TTFT p50 | ~256 tokens: TTFT p50 |")
+    assert "| llama.cpp `llama-server` | " in table and "simple-serve, bf16 ÷ llama.cpp 0.5" in table
+
+
+def test_a_server_crashed_at_a_prompt_length_says_so_and_is_never_compared(tmp_path, monkeypatch, capsys):
+    """llama.cpp dies at the first long prompt (after the scenarios went well); ours-int8 dies at its first request,
+    before this phase: both say crashed from then on, and ours gets no ratio."""
+    behaviour = {"ours": (0.0002, -1), "ours-int8": (0.0002, 0), "llama.cpp": (0.0001, 1000)}
+    report, _ = compare_on_fakes(tmp_path, monkeypatch, behaviour, "--prompt-lens", "32,512",
+                                 "--prompt-len-requests", "2")
+    by_server = report["ttft_by_prompt_len"]
+    assert by_server["llama.cpp"]["32"]["requests"]["succeeded"] == 2
+    assert by_server["llama.cpp"]["512"] == {"crashed": "crashed during the prompt-length run (exit -9 (SIGKILL))"}
+    assert report["results"]["1 stream"]["llama.cpp"]["requests"]["succeeded"] == 1  # it was fine until then
+    assert by_server["ours-int8"] == {n: {"crashed": "crashed during the run (exit -9 (SIGKILL))"}
+                                      for n in ("32", "512")}
+    assert by_server["ours"]["512"]["ttft_s"]["p50"] > 0
+    assert report["ratios"]["ttft_vs_llamacpp_at_largest_prompt_len"] == {
+        "prompt_len": 512, "ttft_p50": {"ours": None, "ours-int8": None}}
+    out = capsys.readouterr().out
+    assert "~512-token prompt, TTFT p50, ours / llama.cpp: no comparison, llama.cpp crashed" in out
+    assert "~512-token prompt, TTFT p50, ours-int8 / llama.cpp: no comparison, llama.cpp crashed" in out
+    rows = {row.split()[0]: row for row in out.split("TTFT p50 against prompt length")[1].splitlines()[2:]}
+    assert rows["llama.cpp"].split()[-1] == "crashed" and rows["ours-int8"].split()[-2:] == ["crashed", "crashed"]
+    assert "llama.cpp: crashed during the prompt-length run (exit -9 (SIGKILL))" in out
+
+
+def test_prompts_are_counted_with_the_models_tokenizer(tmp_path, tiny_tokenizer):
+    from app.bench import prompt_lengths
+
+    tiny_tokenizer.save_pretrained(tmp_path)
+    count, counted_with = prompt_lengths.token_counter(tmp_path)
+    assert counted_with == "the model's tokenizer"
+    prompts = prompt_lengths.build([64, 300], 2, count)
+    for length, texts in prompts.items():
+        tokens = [len(tiny_tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        assert all(length <= n < length + 80 for n in tokens), tokens  # overshoots by at most one passage
+    with pytest.raises(SystemExit, match="--prompt-lens"):
+        prompt_lengths.parse("128,1k")
+    assert prompt_lengths.parse("") == [] and prompt_lengths.parse("1200, 128,128") == [128, 1200]

@@ -5,6 +5,8 @@ live server (the tiny model, served under the default model's id, so the blocks 
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import re
 import shutil
@@ -291,3 +293,45 @@ def test_every_allowance_is_still_needed():
     """An entry whose figure left its page would let a measurement of the same value in later: drop it instead."""
     stale = [key for key in NOT_MEASURED if key[1] not in figures_in(prose((DOCS / key[0]).read_text(), key[0]))]
     assert not stale, f"NOT_MEASURED entries no page needs any more: {stale}"
+
+
+def ttft_entry(p50: float, tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "ttft_s": {"mean": p50, "p50": p50, "p99": p50, "n": 3},
+            "requests": {"total": 3, "succeeded": 3, "failed": 0}, "errors": {"count": 0, "messages": []}}
+
+
+@pytest.fixture
+def ttft_results(tmp_path) -> Path:
+    """A small `bench compare --prompt-lens 128,1200` result (made up here: no run records one yet), llama.cpp
+    crashed at the longest prompt."""
+    crash = {"crashed": "crashed during the prompt-length run (exit -9 (SIGKILL))"}
+    report = {**record.envelope("compare", argparse.Namespace(prompt_lens="128,1200")),
+              "model": "m", "dtype": "bfloat16", "device": "cpu", "results": {},
+              "ttft_by_prompt_len": {"ours": {"128": ttft_entry(0.1, 160), "1200": ttft_entry(0.9, 1231)},
+                                     "ours-int8": {"128": ttft_entry(0.08, 160), "1200": ttft_entry(0.6, 1231)},
+                                     "llama.cpp": {"128": ttft_entry(0.2, 158), "1200": crash}},
+              "ratios": {"ttft_vs_llamacpp_at_largest_prompt_len": {"prompt_len": 1200,
+                                                                    "ttft_p50": {"ours": None, "ours-int8": None}}}}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "compare-ttft.json").write_text(json.dumps(report))
+    return results
+
+
+def test_the_ttft_by_prompt_length_table_renders_between_markers(ttft_results):
+    page = "# P\n\n<!-- figures:begin ttft-by-prompt-length compare-ttft.json -->\n<!-- figures:end -->\n"
+    lines = docs.rewrite(page, ttft_results).splitlines()
+    assert "| server | ~128 tokens: TTFT p50 | ~1,200 tokens: TTFT p50 |" in lines
+    assert "| simple-serve, bf16 | 100 ms (160) | 900 ms (1,231) |" in lines
+    assert "| llama.cpp `llama-server` | 200 ms (158) | crashed |" in lines  # a crash is no figure, so no win
+    assert any(line.startswith("~1,200-token prompt: simple-serve, bf16 ÷ llama.cpp no comparison") for line in lines)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib: the `docs` extra")
+def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_results, tmp_path, capsys):
+    from app.bench import charts
+
+    written = charts.draw_all(ttft_results, tmp_path / "figures")
+    assert [p.name for p in written] == ["ttft-by-prompt-length.png"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and written[0].stat().st_size < 200_000
+    assert "TTFT against prompt length" not in capsys.readouterr().out  # drawn, so no note that it is missing

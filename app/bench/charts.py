@@ -3,8 +3,9 @@
 - `compare-*.json` with the five servers: aggregate tokens/s at 1 and N streams, one bar pair per server, one panel
   per run; `headline.png` (the README's one chart) puts every five-server run side by side.
 - `shortcuts-*.json`: the prefix cache's warm/cold TTFT ratio and speculation's on/off decode ratios, per run.
-- TTFT against prompt length is drawn from any compare run that holds `ttft_by_prompt_len`; no run records it yet,
-  so that chart is skipped and says so.
+- TTFT against prompt length (`ttft-by-prompt-length.png`) is drawn from any compare run that holds
+  `ttft_by_prompt_len` (`bench compare --prompt-lens`): one line per server, one panel per run; no run under
+  docs/results/ records it yet, so that chart is skipped and says so.
 matplotlib's Agg backend draws the same pixels for the same data; the PNGs carry no timestamp, so an unchanged JSON
 leaves an unchanged file.
 """
@@ -49,6 +50,24 @@ def streams_axes(ax, report: dict) -> None:
     ax.legend(fontsize=8)
 
 
+def ttft_axes(ax, report: dict) -> None:
+    """TTFT p50 against the requested prompt length, one line per server. Linear axes: prefill's cost grows about
+    linearly with the prompt, so each line's slope is the server's prefill time per token. A crashed length draws
+    no point (a failed request is no figure) and its server's legend says where it crashed."""
+    for kind, entries in report["ttft_by_prompt_len"].items():
+        points = sorted((int(n), e["ttft_s"]["p50"]) for n, e in entries.items()
+                        if "crashed" not in e and e["ttft_s"]["p50"] is not None)
+        crashed = sorted(int(n) for n, e in entries.items() if "crashed" in e)
+        label = SHORT.get(kind, kind) + (f" (crashed at {crashed[0]:,})" if crashed else "")
+        ax.plot([n for n, _ in points], [v * 1e3 for _, v in points], marker="o", label=label)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("prompt length, tokens (requested)")
+    ax.set_ylabel("TTFT p50, ms (1 stream)")
+    ax.set_title(_title(report), fontsize=9)
+    ax.legend(fontsize=8)
+
+
 def draw_all(results: Path, out: Path) -> list[Path]:
     plt = _plt()
     out.mkdir(parents=True, exist_ok=True)
@@ -86,13 +105,10 @@ def draw_all(results: Path, out: Path) -> list[Path]:
         written.append(_save(fig, out / "shortcuts.png"))
     with_ttft = {name: r for name, r in runs.items() if r.get("ttft_by_prompt_len")}
     if with_ttft:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
-        for name, r in with_ttft.items():
-            points = sorted((int(k), v) for k, v in r["ttft_by_prompt_len"].items())
-            ax.plot([p for p, _ in points], [v * 1e3 for _, v in points], marker="o", label=_title(r))
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT p50, ms")
-        ax.legend(fontsize=7)
+        fig, axes = plt.subplots(1, len(with_ttft), figsize=(6.4 * len(with_ttft), 3.8), squeeze=False)
+        for ax, report in zip(axes[0], with_ttft.values()):
+            ttft_axes(ax, report)
+        fig.suptitle("Time to first token against prompt length, same servers and prompts", fontsize=10)
         written.append(_save(fig, out / "ttft-by-prompt-length.png"))
     else:
         print("TTFT against prompt length: no result in docs/results/ records it yet (ttft_by_prompt_len); skipped")

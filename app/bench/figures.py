@@ -154,8 +154,40 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
+def ttft_by_prompt_len_table(runs: list[tuple[str, dict]]) -> str:
+    """server | TTFT p50 at each prompt length (with the prompt tokens the server counted), from `bench compare
+    --prompt-lens`; then issue 21's ratio, ours ÷ llama.cpp at the largest length, where the run holds it."""
+    lengths = sorted({int(k) for _, r in runs for entries in r["ttft_by_prompt_len"].values() for k in entries})
+    rows, lines = [], []
+    for _, r in runs:
+        label = f" ({r['label']})" if len(runs) > 1 and r.get("label") else ""
+        for kind, entries in r["ttft_by_prompt_len"].items():
+            rows.append([server_name(kind, r) + label] + [ttft_cell(entries.get(str(n))) for n in lengths])
+        g = r.get("ratios", {}).get("ttft_vs_llamacpp_at_largest_prompt_len")
+        for kind, value in (g or {}).get("ttft_p50", {}).items():
+            lines.append(f"~{g['prompt_len']:,}-token prompt: {server_name(kind, r)} ÷ llama.cpp "
+                         + (f"{ratio(value)} the TTFT p50" if value is not None else "no comparison (see the table)")
+                         + label)
+    head = ["server"] + [f"~{n:,} tokens: TTFT p50" for n in lengths]
+    note = "\n\nIn brackets: the prompt tokens the server counted, its chat template included."
+    return (markdown(head, rows) + note + ("\n\n" + "; ".join(lines) + "." if lines else "") + "\n\n"
+            + provenance(runs))
+
+
+def ttft_cell(entry: dict | None) -> str:
+    """A crashed server's cell says so and holds no figure, so it cannot read as a win."""
+    if not entry:
+        return "-"
+    if "crashed" in entry:
+        return "crashed"
+    p50, tokens = entry["ttft_s"]["p50"], entry.get("prompt_tokens")
+    if p50 is None:
+        return f"- ({entry['errors']['count']} errors)"
+    return ms(p50) + (f" ({tokens:,.0f})" if tokens is not None else "")
+
+
 TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts": shortcuts_table,
-          "quality": quality_table}
+          "quality": quality_table, "ttft-by-prompt-length": ttft_by_prompt_len_table}
 
 
 def tables() -> dict:

@@ -314,15 +314,17 @@ def run(args) -> dict:
     return result
 
 
-def measure(args) -> dict:
-    """Send the load described by `args` and return the report dict (nothing printed or written)."""
+def measure(args, prompts: list[str] | None = None) -> dict:
+    """Send the load described by `args` and return the report dict (nothing printed or written). `prompts`, when
+    given, are sent as they are instead of built from the passages (bench compare's prompt lengths)."""
     count_tokens = None
-    if getattr(args, "tokenizer", None):
+    if getattr(args, "tokenizer", None) and prompts is None:
         from transformers import AutoTokenizer  # lazy: only needed for exact prompt lengths
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
         count_tokens = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
+    if prompts is None:
+        prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
     results, wall = asyncio.run(_run_async(args, prompts))
     config = {k: getattr(args, k) for k in
               ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed",
