@@ -251,3 +251,13 @@ def test_prompts_are_counted_with_the_models_tokenizer(tmp_path, tiny_tokenizer)
     with pytest.raises(SystemExit, match="--prompt-lens"):
         prompt_lengths.parse("128,1k")
     assert prompt_lengths.parse("") == [] and prompt_lengths.parse("1200, 128,128") == [128, 1200]
+
+
+def test_no_scenario_repeats_a_prompt_a_server_has_already_seen(tmp_path, monkeypatch):
+    """Ours and llama.cpp keep a prompt cache, transformers does not: a scenario that resent the warm-up's prompts
+    would time cache hits for two servers and full prefills for the third."""
+    _, sent = compare_on_fakes(tmp_path, monkeypatch, {"ours": (0.0001, -1), "transformers": (0.0001, -1)})
+    for kind in ("ours", "transformers"):
+        prompts = [s["prompt"] for s in sent if s["server"] == kind]
+        assert len(prompts) == 2 + 1 + 2  # warm-up, 1 stream, 2 streams
+        assert len(set(prompts)) == len(prompts)

@@ -89,10 +89,13 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float, log:
     raise SystemExit(f"error: the server at {url} was not ready after {timeout:.0f} s; see {log}")
 
 
-def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: int, requests: int) -> argparse.Namespace:
+def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: int, requests: int,
+              seed: int) -> argparse.Namespace:
+    """`seed`: the first prompt's; the warm-up and each scenario take their own, so no scenario repeats a prompt
+    that a server's prompt cache (ours, llama.cpp's) has already seen whole."""
     return argparse.Namespace(url=url, model=model_id, concurrency=concurrency, requests=requests,
                               prompt_len=args.prompt_len, max_tokens=args.max_tokens, stream=True,
-                              ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=0, tokenizer=None,
+                              ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=seed, tokenizer=None,
                               temperature=args.temperature)
 
 
@@ -139,12 +142,12 @@ def run(args: argparse.Namespace) -> dict:
             except ServerCrashed as err:
                 crashed[kind] = str(err)
         for kind, (proc, url) in procs.items():  # warm-up: first-request costs (transformers' CB manager starts here)
-            _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), 1, 2), crashed)
-        for name, (concurrency, requests) in scenarios.items():
+            _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), 1, 2, seed=10_000), crashed)
+        for index, (name, (concurrency, requests)) in enumerate(scenarios.items()):
             for kind, (proc, url) in procs.items():
                 print(f"{name}: {kind} ...", flush=True)
                 figures = _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), concurrency,
-                                                                        requests), crashed)
+                                                                        requests, seed=1000 * index), crashed)
                 results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
         if lengths:  # while every server is still up: no extra start
             by_length = prompt_lengths.measure_all(procs, crashed, str(model_dir), args, length_prompts)
