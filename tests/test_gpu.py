@@ -68,7 +68,7 @@ def test_default_model_loads_in_bf16_and_answers_on_cuda():
 
 
 def test_captured_decode_step_gives_eager_greedy_tokens_on_cuda(tiny_tokenizer):
-    """DECODE_STEP=compiled on CUDA: the bucketed step captured as CUDA graphs (mode="reduce-overhead") decodes
+    """DECODE_STEP=compiled on CUDA: the bucketed step captured as CUDA graphs (torch.cuda.graph) decodes
     what the eager step decodes in fp32, and replays without recompiling (tests/test_static_step.py on a CPU)."""
     from test_static_step import PROMPTS, decode_side_by_side
 
@@ -84,4 +84,5 @@ def test_captured_decode_step_gives_eager_greedy_tokens_on_cuda(tiny_tokenizer):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     worst, agree, pooled, eager = decode_side_by_side(step, model, tiny_tokenizer, 40, PROMPTS[:3])
     assert pooled == eager and worst < 1e-3
+    assert step.graphs.replays == step.steps == 40  # every step replayed from a captured graph
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -23,7 +23,7 @@ from app.core.batching import enable_packed_batching
 from app.core.generate import Sequence, decode_step, prefill
 from app.core.kv_pool import KVPool, PoolExhausted
 from app.core.sampling import SamplingParams
-from app.core.static_step import StaticDecodeStep, buckets_up_to
+from app.core.static_step import CudaGraphs, StaticDecodeStep, buckets_up_to
 
 from conftest import build_tiny_model
 from engine_runs import run_engine
@@ -119,6 +119,30 @@ def test_a_full_pool_hands_the_step_back_to_the_eager_path(tiny_tokenizer):
     step = StaticDecodeStep(model, KVPool(model.config, 1, 16, torch.float32, "cpu"), 4, 256, compile=False)
     seqs = started(model, tiny_tokenizer, PROMPTS[:2])
     assert step.run(seqs) is None  # two prompts cannot fit one block: the engine decodes these eagerly
+
+
+class ReplayedOnACpu(CudaGraphs):
+    """CudaGraphs with torch.cuda.graph's contract on a CPU: a "capture" keeps the very input tensors it saw, and
+    a replay re-runs the step on those into the same output tensor. A step that handed fresh tensors to a
+    replayed graph (instead of writing its preallocated buffers) would decode from stale inputs here, as it
+    would on a GPU."""
+
+    def _capture(self, shape, inputs):
+        output = self.forward(*inputs)
+        self.outputs[shape] = output
+        self.graphs[shape] = type("Graph", (), {"replay": lambda _: output.copy_(self.forward(*inputs))})()
+
+
+def test_a_replayed_step_decodes_what_the_eager_step_decodes(tiny_tokenizer):
+    model = tiny_packed(tiny_tokenizer)
+    step = StaticDecodeStep(model, KVPool(model.config, 64, 16, torch.float32, "cpu"), 4, 256, compile=False)
+    step.graphs = ReplayedOnACpu(step._forward)
+    for prompts in (PROMPTS[:1], PROMPTS[:3]):  # buckets 1 and 4
+        worst, agree, pooled, eager = decode_side_by_side(step, model, tiny_tokenizer, 40, prompts)
+        assert pooled == eager and worst < 1e-4
+    assert step.graphs.replays == step.steps == 80
+    # one capture per (bucket, table width): 40 tokens past 5-10 token prompts span widths 2 and 4
+    assert sorted(step.graphs.graphs) == [(1, 2), (1, 4), (4, 2), (4, 4)]
 
 
 # ---- compiled ----

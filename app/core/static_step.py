@@ -14,8 +14,8 @@ and reads only the pad block. W, the table's width in blocks, is the one dynamic
 two, and marked dynamic, so one compiled graph per bucket serves every context length. The model body is
 transformers' own; the pool tensors travel inside `PooledKV`, which `pooled_attention` reads.
 
-On a CPU the step is compiled with inductor; on CUDA it is also captured as CUDA graphs (mode="reduce-overhead",
-one graph per bucket and width). Warm-up compiles every bucket at start, so no request waits for a compile, and
+On a CPU the step is compiled with inductor; on CUDA it is compiled and then captured as CUDA graphs
+(torch.cuda.graph, one per bucket and width: `CudaGraphs`). Warm-up compiles every bucket at start, so no request waits for a compile, and
 a later new shape (a recompile) shows in `compiles`. Prefill, steps with prefill chunks, and models whose
 attention is not full attention in every layer keep the eager path.
 
@@ -68,6 +68,36 @@ class _PoolWrites:
         return 0  # never consulted: positions and masks are given
 
 
+class CudaGraphs:
+    """Captures `forward` once per input shape with torch.cuda.graph and replays it (as nano-vllm does). Every
+    input is a view of one of the step's preallocated buffers and the pool is written in place, so the captured
+    addresses stay valid; only the output is new, and the caller copies it before the next replay."""
+
+    def __init__(self, forward):
+        self.forward, self.graphs, self.outputs, self.memory = forward, {}, {}, None
+        self.replays = 0
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        shape = tuple(inputs[0].shape[:1]) + tuple(inputs[4].shape[1:])  # (bucket, table width)
+        if shape not in self.graphs:
+            self._capture(shape, inputs)
+        self.graphs[shape].replay()
+        self.replays += 1
+        return self.outputs[shape]
+
+    def _capture(self, shape: tuple, inputs) -> None:
+        side = torch.cuda.Stream()  # one run first, off the capture: lazy set-up (cuBLAS, a compile) happens here
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):  # one memory pool for all: they never run at once
+            self.outputs[shape] = self.forward(*inputs)
+        self.memory = graph.pool()
+        self.graphs[shape] = graph
+
+
 class StaticDecodeStep:
     """Runs decode rows through the pool, eagerly (compile=False: the same arithmetic, for tests and as the
     reference) or compiled per bucket."""
@@ -93,15 +123,16 @@ class StaticDecodeStep:
         self.steps = 0
         self._forward = self._eager_forward
         if compile:
-            if device.type == "cuda":  # untested here (no GPU): captured once per bucket and width, replayed
-                self._forward = torch.compile(self._eager_forward, mode="reduce-overhead", fullgraph=True)
-            else:
-                # freezing: the weights become constants, so inductor can lower bf16 prepacked linears (oneDNN's
-                # packed weights, app/models/prepack.py), which it refuses as plain inputs
-                options = {"freezing": True} if options is None else options
-                self._forward = torch.compile(self._eager_forward, fullgraph=True, options=options)
+            # freezing: the weights become constants, so inductor can lower bf16 prepacked linears (oneDNN's
+            # packed weights, app/models/prepack.py), which it refuses as plain inputs
+            options = {"freezing": True} if options is None and device.type == "cpu" else options
+            self._forward = torch.compile(self._eager_forward, fullgraph=True, options=options)
             # one graph per bucket, all kept: past dynamo's limit it would fall back to eager, silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
+        # CUDA: the (compiled) step is captured as a CUDA graph per bucket and width and replayed, so a step costs
+        # one launch, not one per kernel. Untested here (no GPU reached this code): `make gpu-check` runs it.
+        self.graphs = CudaGraphs(self._forward) if device.type == "cuda" else None
+        self.path = "graph" if self.graphs is not None else "pooled"  # as /metrics counts its steps
 
     def _eager_forward(self, ids, positions, write_block, write_offset, table, lengths) -> torch.Tensor:
         """-> float32 logits [B, vocab] for the rows' next tokens."""
@@ -132,7 +163,7 @@ class StaticDecodeStep:
                 torch._dynamo.mark_static(tensor, 0)
             torch._dynamo.mark_dynamic(inputs[4], 1)  # widths are powers of two from 2: never 0 or 1
         with torch.inference_mode():
-            return self._forward(*inputs)
+            return self.graphs(*inputs) if self.graphs is not None else self._forward(*inputs)
 
     def adopt(self, seqs: Seq) -> bool:
         """Move each sequence's finished-prefill DynamicCache into the pool (once per request). False: the pool is
@@ -195,7 +226,7 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
                       speculative: bool, block_size: int = 16) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
-    from app.core.batching import attention_windows  # the packed pass's own reading of the layer kinds
+    from app.core.batching import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
 
     windows = attention_windows(lm.model) if batch_decode else None
     why_not = ("this model's attention is not packed" if not batch_decode else
@@ -214,6 +245,12 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
     num_blocks = max(1, min(max_batch * blocks_per_row, kv_capacity_bytes // per_block))
     pool = KVPool(lm.model.config, num_blocks, block_size, lm.dtype, lm.device)
     log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size, num_blocks * per_block / 2**30)
-    step = StaticDecodeStep(lm.model, pool, max_batch, lm.max_context)
-    step.warm_up()
+    try:
+        step = StaticDecodeStep(lm.model, pool, max_batch, lm.max_context)
+        step.warm_up()
+    except Exception as exc:  # a compiler or capture that fails here must not keep the server from serving
+        log.warning("DECODE_STEP=compiled failed at warm-up, decode steps stay eager: %s: %s",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        lm.model.set_attn_implementation(PACKED)
+        return None
     return step

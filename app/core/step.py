@@ -180,10 +180,14 @@ class StepRunner:
     def _forward(self, group: list[Work]) -> torch.Tensor | None:
         """Logits at each row's last fed position, or its last 1 + k to verify k drafts (None: one request's
         non-last chunk)."""
-        if self.static_decode is not None and all(n == 1 and not seq.prefilling for _, seq, n, _ in group):
+        decoding = all(n == 1 and not seq.prefilling for _, seq, n, _ in group)
+        if self.static_decode is not None and decoding:
             logits = self.static_decode.run([seq for _, seq, _, _ in group])  # None: it cannot take this step
             if logits is not None:
+                self.metrics.decode_steps.labels(path=self.static_decode.path).inc()
                 return logits
+        if decoding:
+            self.metrics.decode_steps.labels(path="eager").inc()
         if self.batch_decode:
             return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
                                 [1 + len(drafts) for *_, drafts in group])
