@@ -1,4 +1,4 @@
-"""`python -m app serve | generate | fetch-model | docs-figures | bench generate | serve | compare | tools | ...`."""
+"""`python -m app serve | generate | fetch-model | docs-figures | bench generate | serve | compare | step | ...`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--cors-origins", help="comma-separated origins")
     serve.add_argument("--prefix-cache-bytes", help="prefix cache size, e.g. 1GiB; 0 turns it off (default 512MiB)")
     serve.add_argument("--speculative", help="ngram (default) | off: n-gram speculative decoding")
+    serve.add_argument("--decode-step", help="eager (default) | compiled: decode steps of fixed shapes over a KV "
+                       "pool, compiled at start (not used while the prefix cache or speculation is on)")
     add_prepack_flags(serve)
 
     gen = commands.add_parser("generate", help="stream one answer to the terminal")
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     # the benchmarks are optional leaves of the CLI
     from app.bench import (compare as bench_compare, generate as bench_generate, grammar as bench_grammar,
                            quality as bench_quality, serve as bench_serve, shortcuts as bench_shortcuts,
-                           soak as bench_soak, tools as bench_tools)
+                           soak as bench_soak, step as bench_step, tools as bench_tools)
     from app.bench import routing as bench_routing
 
     bench_generate.add_arguments(bench_kinds.add_parser("generate", help="our decode loop vs model.generate()"))
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          "on against off"))
     bench_grammar.add_arguments(bench_kinds.add_parser("grammar", help="structured output: engines and cost"))
     bench_tools.add_arguments(bench_kinds.add_parser("tools", help="tool-call parsing: total and worst per token"))
+    bench_step.add_arguments(bench_kinds.add_parser("step", help="one decode step: eager against DECODE_STEP=compiled"))
     bench_soak.add_arguments(bench_kinds.add_parser("soak", help="a long mixed load, then checks that the server "
                                                     "held up (exit 1 if not)"))
     bench_routing.add_arguments(bench_kinds.add_parser("routing", help="round-robin vs prefix-aware routing over N "
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_grammar.run(args)
         elif args.bench_command == "tools":
             bench_tools.run(args)
+        elif args.bench_command == "step":
+            bench_step.run(args)
         elif args.bench_command == "soak":
             return bench_soak.run(args)
         elif args.bench_command == "routing":

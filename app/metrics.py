@@ -50,6 +50,9 @@ class Metrics:
                                        "admission keeps this within the budget", registry=r)
         self.kv_cache_in_use = Gauge(f"{PREFIX}_kv_cache_used_bytes", "KV cache bytes the running requests hold now",
                                      registry=r)
+        self.decode_steps = Counter(f"{PREFIX}_decode_steps", "passes in which every row decoded one token, by "
+                                    "path: eager (the packed pass), pooled (DECODE_STEP=compiled), graph (that step "
+                                    "replayed as a CUDA graph)", ["path"], registry=r)
         add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
 
 

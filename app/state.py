@@ -51,7 +51,7 @@ class ServerState:
                 prefix_cache_bytes = 0
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
                                  s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                                 speculative=s.speculative)
+                                 speculative=s.speculative, decode_step=s.decode_step)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:

@@ -32,6 +32,8 @@ def run_engine(lm, requests: list[tuple[list[int], SamplingParams]], together: b
     async def main() -> list[Seen]:
         engine.start()
         await asyncio.to_thread(engine.loaded.wait)
+        if engine.load_error is not None:  # nobody would serve the requests: fail now rather than hang
+            raise engine.load_error
         try:
             if together:
                 return list(await asyncio.gather(*(one(ids, p) for ids, p in requests)))

@@ -65,3 +65,24 @@ def test_default_model_loads_in_bf16_and_answers_on_cuda():
     ids = lm.encode_chat([{"role": "user", "content": "Which city is the capital of France?"}])
     text = lm.tokenizer.decode(greedy(lm.model, lm.tokenizer, ids, n=16))
     assert "Paris" in text
+
+
+def test_captured_decode_step_gives_eager_greedy_tokens_on_cuda(tiny_tokenizer):
+    """DECODE_STEP=compiled on CUDA: the bucketed step captured as CUDA graphs (torch.cuda.graph) decodes
+    what the eager step decodes in fp32, and replays without recompiling (tests/test_static_step.py on a CPU)."""
+    from test_static_step import PROMPTS, decode_side_by_side
+
+    from app.core.batching import enable_packed_batching
+    from app.core.kv_pool import KVPool
+    from app.core.static_step import StaticDecodeStep
+
+    torch._dynamo.reset()
+    model = build_tiny_model(len(tiny_tokenizer)).to("cuda")
+    assert enable_packed_batching(model)
+    step = StaticDecodeStep(model, KVPool(model.config, 64, 16, torch.float32, "cuda"), 4, 256, compile=True)
+    step.warm_up()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    worst, agree, pooled, eager = decode_side_by_side(step, model, tiny_tokenizer, 40, PROMPTS[:3])
+    assert pooled == eager and worst < 1e-3
+    assert step.graphs.replays == step.steps == 40  # every step replayed from a captured graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -37,6 +37,7 @@ from app.core.generate import Sequence, TokenEvent, check_request
 from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle
 from app.core.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
+from app.core.static_step import build_decode_step
 from app.core.step import StepRunner, default_prefill_tokens_per_step
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
@@ -77,7 +78,7 @@ class Engine:
     def __init__(self, model: LoadedModel | Callable[[], LoadedModel], max_active: int = 8, max_queue: int = 64,
                  metrics: Metrics | None = None, prefill_tokens_per_step: int | None = None,
                  kv_cache_bytes: int | None = None, packed_batching: bool = True, prefix_cache_bytes: int = 0,
-                 speculative: str = "off"):
+                 speculative: str = "off", decode_step: str = "eager"):
         self._load = model if callable(model) else (lambda: model)
         self.lm: LoadedModel | None = None
         self.loaded = threading.Event()  # set once the model is loaded, or failed to load
@@ -91,6 +92,7 @@ class Engine:
         self.prefix_cache_bytes = prefix_cache_bytes  # 0: off
         self.prefix_cache: PrefixCache | None = None
         self.speculative = speculative  # "ngram" | "off"
+        self.decode_step = decode_step  # "eager" | "compiled" (app/core/static_step.py)
         self._abort: ServeError | None = None
         self.max_active = max_active
         self.max_queue = max_queue
@@ -176,7 +178,8 @@ class Engine:
                                       self.speculative != "off", self.batch_decode, self.prefill_tokens_per_step,
                                       self._sampling_pool, started=lambda handle, seq: self._replace(handle, seq),
                                       emit=lambda handle, event: self._emit(handle, event),
-                                      fail=lambda handles, err: self._fail(handles, err))
+                                      fail=lambda handles, err: self._fail(handles, err),
+                                      static_decode=self._set_up_static_decode())
         except BaseException as err:  # noqa: BLE001 - reported to whoever waits on `loaded`
             self.load_error = err
             return
@@ -233,6 +236,15 @@ class Engine:
             return 0.0 if self.kv_budget is None else 1.0
         held = self.kv_budget.in_use - (self.prefix_cache.bytes if self.prefix_cache is not None else 0)
         return min(1.0, max(0.0, held / self.kv_budget.capacity))
+
+    def _set_up_static_decode(self):
+        if self.decode_step != "compiled":
+            return None
+        if self.lm.ranks is not None:  # the other ranks mirror the packed passes, not a pooled step
+            log.info("DECODE_STEP=compiled is off under tensor parallelism: the step stays eager")
+            return None
+        return build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode,
+                                 prefix_cache=self.prefix_cache is not None, speculative=self.speculative != "off")
 
     def _serve(self) -> None:
         while True:

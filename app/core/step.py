@@ -34,6 +34,7 @@ from app.core.kv_budget import KVBudget
 from app.core.prefix_cache import PrefixCache
 from app.core.speculative import NgramDrafter, accept_drafts
 from app.core.tensor_parallel import Leader
+from app.core.static_step import StaticDecodeStep
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 
@@ -70,6 +71,7 @@ class StepRunner:
     started: Callable[[RequestHandle, Sequence], None]  # a new request's sequence exists (its prefill begins)
     emit: Callable[[RequestHandle, TokenEvent], None]  # a token for the caller; the last one has a finish_reason
     fail: Callable[[list[RequestHandle], Exception], None]  # these requests end with a clean error
+    static_decode: StaticDecodeStep | None = None  # DECODE_STEP=compiled: decode-only steps over the KV pool
     # Tensor parallel (app/core/tensor_parallel.py): the other ranks run each pass too; None: the whole model is here
     leader: Leader | None = field(default=None, init=False)
 
@@ -178,6 +180,14 @@ class StepRunner:
     def _forward(self, group: list[Work]) -> torch.Tensor | None:
         """Logits at each row's last fed position, or its last 1 + k to verify k drafts (None: one request's
         non-last chunk)."""
+        decoding = all(n == 1 and not seq.prefilling for _, seq, n, _ in group)
+        if self.static_decode is not None and decoding:
+            logits = self.static_decode.run([seq for _, seq, _, _ in group])  # None: it cannot take this step
+            if logits is not None:
+                self.metrics.decode_steps.labels(path=self.static_decode.path).inc()
+                return logits
+        if decoding:
+            self.metrics.decode_steps.labels(path="eager").inc()
         if self.batch_decode:
             return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
                                 [1 + len(drafts) for *_, drafts in group])

@@ -75,7 +75,9 @@ class BatchRowsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows == 1 or not _ENGINE_PASS.get():
+        # compiled (DECODE_STEP=compiled): plain F.linear, whose kernel inductor chooses itself (it cannot trace
+        # the ContextVar anyway)
+        if rows == 1 or torch.compiler.is_compiling() or not _ENGINE_PASS.get():
             return F.linear(x, self.weight, self.bias)
         if self.packed_weight is not None and rows <= PACKED_MAX_ROWS:
             return packed_linear(x, self.packed_weight, self.bias)

@@ -56,6 +56,12 @@ def _head_only(model: nn.Module) -> nn.Module:
     return head
 
 
+def head_only(model: nn.Module) -> nn.Module:
+    """The model's forward after its body, as a module taking `inputs_embeds=hidden`: for a caller that holds it
+    (a compiled step must not trace this module's table of models, whose contents change as models come and go)."""
+    return _head_only(model)
+
+
 def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden: [B, S, hidden_size] from the model body -> logits [B, S, vocab], as `model(...).logits` has them."""
     return _head_only(model)(inputs_embeds=hidden, use_cache=False).logits
