@@ -74,6 +74,8 @@ def test_llamacpp_and_int8_server_commands(tmp_path):
     assert ours[ours.index("--quant") + 1] == "int8" and ours[ours.index("--dtype") + 1] == "auto"
     plain = compare.server_command("ours", tmp_path, 8001, args)
     assert plain[plain.index("--quant") + 1] == "none" and plain[plain.index("--dtype") + 1] == "bfloat16"
+    compiled = compare.server_command("ours-compiled", tmp_path, 8001, args)
+    assert compiled[0] == "env" and compiled[len(compare.COMPILED) + 1:] == plain
     binary, gguf = tmp_path / "llama-server", tmp_path / "m.gguf"
     peer = compare.server_command("llama.cpp", tmp_path, 8002, args, binary, gguf)
     assert peer[0] == str(binary) and peer[peer.index("-m") + 1] == str(gguf)
@@ -261,3 +263,14 @@ def test_no_scenario_repeats_a_prompt_a_server_has_already_seen(tmp_path, monkey
         prompts = [s["prompt"] for s in sent if s["server"] == kind]
         assert len(prompts) == 2 + 1 + 2  # warm-up, 1 stream, 2 streams
         assert len(set(prompts)) == len(prompts)
+
+
+def test_the_compiled_servers_settings_are_the_ones_under_which_the_compiled_step_runs(monkeypatch):
+    from app.bench import compare
+    from app.config import Settings
+
+    for assignment in compare.COMPILED:
+        monkeypatch.setenv(*assignment.split("=", 1))
+    settings = Settings()
+    assert settings.decode_step == "compiled" and settings.prefix_cache_bytes == 0
+    assert settings.speculative == "off" and settings.prepack in (False, "false")

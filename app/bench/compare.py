@@ -32,7 +32,10 @@ from app.bench import llamacpp
 from app.bench.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
-SERVERS = ("ours", "ours-int8", "llama.cpp", "transformers", "transformers-cb")
+SERVERS = ("ours", "ours-int8", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
+# DECODE_STEP=compiled steps only where neither the prefix cache nor speculation is on, and inductor does not
+# compile bf16 prepacked linears (app/core/static_step.py): the settings under which that server runs it.
+COMPILED = ("DECODE_STEP=compiled", "PREFIX_CACHE_BYTES=0", "SPECULATIVE=off", "PREPACK=false")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +64,9 @@ def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespa
     if kind.startswith("ours"):
         # int8 picks its own activation dtype (fp32 for the dynamic kernel on a CPU); see app/models/quant.py.
         dtype, quant = ("auto", "int8") if kind == "ours-int8" else (args.dtype, "none")
-        return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port),
-                "--device", args.device, "--dtype", dtype, "--quant", quant, "--served-model-name", str(model_dir)]
+        return [*(("env", *COMPILED) if kind == "ours-compiled" else ()), sys.executable, "-m", "app", "serve",
+                "--model", str(model_dir), "--port", str(port), "--device", args.device, "--dtype", dtype,
+                "--quant", quant, "--served-model-name", str(model_dir)]
     if kind == "llama.cpp":
         return llamacpp.server_command(llama_server, gguf, port, parallel=args.concurrency)
     transformers_cli = Path(sys.executable).with_name("transformers")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`",
+                "ours-compiled": "simple-serve, `DECODE_STEP=compiled`",
                 "llama.cpp": "llama.cpp `llama-server`", "transformers": "`transformers serve`",
                 "transformers-cb": "`transformers serve --continuous-batching`"}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
