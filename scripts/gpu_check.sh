@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a CUDA machine, in under 10 minutes: the GPU-marked tests, then `bench generate` and
-# `bench serve` (1 and 8 streams) on the default model, and a printed summary. Without CUDA it stops at once.
+# `make gpu-check`: on a CUDA machine, in under 10 minutes: the GPU-marked tests, `bench generate`, `bench step`
+# (the eager decode step against DECODE_STEP=compiled, captured as CUDA graphs, at batch 1 and 8, each against the
+# HBM floor), then `bench serve` (1 and 8 streams) on a server running the compiled step, with the share of its
+# decode steps that replayed a graph. Without CUDA it stops at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -16,15 +18,21 @@ fi
 mkdir -p "$OUT"
 "$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"gpu-check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")'
 
-echo "== 1/3 GPU-marked tests (limit 180 s)"
+echo "== 1/4 GPU-marked tests (limit 180 s)"
 timeout 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -5
 
-echo "== 2/3 bench generate (limit 180 s)"
-timeout 180 "$PY" -m app bench generate --model "$MODEL" --device cuda --repeats 2 --kv-streams 0 \
+echo "== 2/4 bench generate (limit 120 s)"
+timeout 120 "$PY" -m app bench generate --model "$MODEL" --device cuda --repeats 2 --kv-streams 0 \
     --out "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" | grep -v "Loading weights"
 
-echo "== 3/3 bench serve: 1 stream, then 8 (limit 200 s)"
-"$PY" -m app serve --model "$MODEL" --device cuda --port "$PORT" --served-model-name "$MODEL" > "$OUT/server.log" 2>&1 &
+echo "== 3/4 bench step: eager against compiled + CUDA graphs, batch 1 and 8, against the HBM floor (limit 150 s)"
+timeout 150 "$PY" -m app bench step --models "$MODEL" --device cuda --dtypes bfloat16 --batches 1,8 \
+    --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | grep -v "Loading weights"
+
+echo "== 4/4 bench serve on DECODE_STEP=compiled: 1 stream, then 8 (limit 200 s)"
+# the compiled step runs where the prefix cache and speculation are off (app/core/static_step.py)
+DECODE_STEP=compiled PREFIX_CACHE_BYTES=0 SPECULATIVE=off \
+    "$PY" -m app serve --model "$MODEL" --device cuda --port "$PORT" --served-model-name "$MODEL" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
@@ -38,6 +46,8 @@ for streams in 1 8; do
         --concurrency "$streams" --requests $((streams * 4)) --prompt-len 128 --max-tokens 128 \
         --out "$OUT/serve-$streams.json" > "$OUT/serve-$streams.log" 2>&1
 done
+
+"$PY" -c "import urllib.request; open('$OUT/metrics.txt', 'wb').write(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read())"
 
 echo "== summary ($OUT)"
 "$PY" - "$OUT" <<'PY'
@@ -53,4 +63,16 @@ for streams in (1, 8):
     ttft = s["ttft_s"]["p50"]
     print(f"bench serve, {streams} stream(s): {s['output_tokens_per_s']['aggregate']:.1f} tok/s aggregate, "
           f"TTFT p50 {ttft * 1e3 if ttft else float('nan'):.0f} ms, errors {s['errors']['count']}")
+for row in json.loads((out / "step.json").read_text())["results"]:
+    print(f"bench step, batch {row['batch']}: eager {row['eager_tokens_per_s']:.0f} tok/s, compiled + graphs "
+          f"{row['compiled_tokens_per_s']:.0f} tok/s; HBM floor {row['floor_tokens_per_s']:.0f} tok/s "
+          f"({row['compiled_tokens_per_s'] / row['floor_tokens_per_s']:.0%} of it); "
+          f"{row.get('graph_replay_share', 0):.0%} of its steps replayed from graphs")
+from app.metrics import parse_samples
+steps = {k: v for k, v in parse_samples((out / "metrics.txt").read_text()).items()
+         if k.startswith("simple_serve_decode_steps_total")}
+graph = sum(v for k, v in steps.items() if 'path="graph"' in k)
+print(f"server: {graph:.0f} of {sum(steps.values()):.0f} decode-only steps replayed from CUDA graphs "
+      f"({graph / max(1, sum(steps.values())):.0%}); the rest ran eagerly (more rows than the largest bucket, "
+      "a full pool)")
 PY

@@ -335,3 +335,29 @@ def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_
     assert [p.name for p in written] == ["ttft-by-prompt-length.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and written[0].stat().st_size < 200_000
     assert "TTFT against prompt length" not in capsys.readouterr().out  # drawn, so no note that it is missing
+
+
+def test_the_goals_row_is_worked_out_from_the_runs_own_figures_and_names_a_crash():
+    """The README's per-CPU goals: each cell a ratio of two servers' figures in one run; a crashed or absent
+    server gives its reason, never a ratio."""
+    from app.bench.goal_tables import goals_table
+
+    def server(rate, ttft, itl):
+        return {"output_tokens_per_s": {"aggregate": rate}, "ttft_s": {"p50": ttft}, "itl_per_token_s": {"p50": itl}}
+
+    run = {"machine": {"cpu": "Some CPU", "cores": 2}, "date": "2026-12-01T22:00Z", "dtype": "bfloat16",
+           "results": {"1 stream": {"ours": server(10.0, 0.2, 0.1), "transformers": server(5.0, 0.3, 0.2),
+                                    "ours-int8": server(12.0, 0.2, 0.04), "llama.cpp": {"crashed": "SIGILL"},
+                                    "ours-compiled": server(15.0, 0.2, 0.07)},
+                       "8 streams": {"ours": server(40.0, 0.5, 0.2), "transformers-cb": server(20.0, 1.0, 0.4),
+                                     "ours-int8": server(48.0, 0.5, 0.2), "llama.cpp": {"crashed": "SIGILL"},
+                                     "ours-compiled": server(44.0, 0.5, 0.2)}},
+           "ttft_by_prompt_len": {"ours": {"128": ttft_entry(0.1, 150), "1200": ttft_entry(0.9, 1230)},
+                                  "llama.cpp": {"128": {"crashed": "SIGILL"}, "1200": {"crashed": "SIGILL"}}}}
+    table = goals_table([("run.json", run)])
+    cells = table.splitlines()[3].strip("| ").split(" | ")
+    assert cells[0] == "Some CPU, bf16, 2026-12-01"
+    assert cells[1:5] == ["2.00x", "2.00x", "4.00x", "2.50x"]
+    assert cells[5] == "llama.cpp crashed (~1,200 tokens)"
+    assert cells[6:8] == ["llama.cpp crashed", "llama.cpp crashed"]
+    assert cells[8] == "1.50x / 1.10x"

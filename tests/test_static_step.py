@@ -28,6 +28,8 @@ from app.core.static_step import CudaGraphs, StaticDecodeStep, buckets_up_to
 from conftest import build_tiny_model
 from engine_runs import run_engine
 
+pytestmark = pytest.mark.compile  # the whole module: see the Makefile's `test` target
+
 PROMPTS = ["The capital of France", "def reverse(s):", "Emoji are fun: ", "Stop strings like ###"]
 GREEDY = SamplingParams(max_tokens=48, do_sample=False, ignore_eos=True)
 
@@ -222,3 +224,26 @@ def test_compiled_step_on_smollm2(dtype):
         assert pooled == eager and worst < 1e-3
     else:
         assert worst < 3.0 and agree >= 0.85  # measured 1.61 and 91% (every row's top-1 the same in 29 of 32)
+
+
+def test_bench_step_prints_and_records_both_paths_against_the_memory_floor(tiny_dir, tmp_path, capsys):
+    import argparse
+    import json
+
+    from app.bench import step as bench_step
+
+    parser = argparse.ArgumentParser()
+    bench_step.add_arguments(parser)
+    out = tmp_path / "step.json"
+    bench_step.run(parser.parse_args(["--models", str(tiny_dir), "--dtypes", "float32", "--batches", "1,2",
+                                      "--steps", "2", "--rounds", "2", "--prompt-len", "16", "--out", str(out)]))
+    rows = json.loads(out.read_text())["results"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["compiled_tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["compiled_ms"])
+        assert row["eager_tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["eager_ms"])
+        assert 0 < row["compiled_tokens_per_s"] < row["floor_tokens_per_s"]  # a floor no step can beat
+        assert "graph_replay_share" not in row  # a CPU captures no graphs
+    # the floor grows with the batch: the weights are read once per step, however many rows it decodes
+    assert rows[1]["floor_tokens_per_s"] == pytest.approx(2 * rows[0]["floor_tokens_per_s"])
+    assert capsys.readouterr().out.count("memory floor") == 2

@@ -80,6 +80,10 @@ def compare_table(runs: list[tuple[str, dict]]) -> str:
         for n, (scenario, by_server) in enumerate(r["results"].items()):
             load = prefix + scenario + (f", {counts[n]} requests" if n < 2 and counts[n] else "")
             for i, (kind, m) in enumerate(by_server.items()):
+                if "crashed" in m:  # a crashed peer gets a row that says so, and no figure
+                    rows.append([load if i == 0 else "", server_name(kind, r), "crashed"]
+                                + [""] * (len(head) - 3))
+                    continue
                 cells = [load if i == 0 else "", server_name(kind, r),
                          f"{m['output_tokens_per_s']['aggregate']:.1f}"]
                 if has_ratio:
@@ -193,9 +197,9 @@ TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts
 
 def tables() -> dict:
     """Every table kind: these, the other benches' (run_tables) and the cited summaries (cited_tables)."""
-    from app.bench import cited_tables, run_tables  # they import this module's helpers
+    from app.bench import cited_tables, goal_tables, run_tables  # they import this module's helpers
 
-    return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES}
+    return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES, **goal_tables.TABLES}
 
 
 def markdown(head: list[str], rows: list[list[str]]) -> str:

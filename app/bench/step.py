@@ -58,6 +58,8 @@ def timed_steps(run, seqs: list[Sequence], steps: int) -> list[float]:
     for _ in range(steps):
         start = time.perf_counter()
         logits = run(seqs)
+        if logits.is_cuda:  # kernels run asynchronously: the step ends when the GPU is done
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         for seq, row in zip(seqs, logits):
             seq.choose(row[None])
@@ -86,8 +88,29 @@ def measure(lm, variant: str, batches: list[int], args) -> list[dict]:
         rows.append({"batch": batch, "variant": variant, "compile_s": round(step.compile_seconds[batch], 1),
                      "eager_ms": 1e3 * statistics.median(eager), "compiled_ms": 1e3 * statistics.median(compiled),
                      "same_greedy_tokens": f"{same}/{eager_seqs[0].n_generated}"})
+    for row in rows if step.graphs is not None else ():  # compiled steps that replayed a captured CUDA graph
+        row["graph_replay_share"] = step.graphs.replays / max(1, step.steps)
     torch._dynamo.reset()  # the next variant or model compiles afresh
     return rows
+
+
+def memory_floor(lm) -> dict:
+    """The memory-bandwidth floor of a decode step: every weight read once per step, whatever the batch (the KV
+    cache of a 128-token prompt is left out: ~1% of the default model's weights), at this device's best read
+    bandwidth. tokens/s at batch B can reach at most B x bandwidth / bytes."""
+    from app.bench.generate import measure_gpu_bandwidth, measure_read_bandwidth
+    from app.models.prepack import decode_bytes_per_step
+
+    bandwidth = (measure_gpu_bandwidth() if lm.device.type == "cuda" else measure_read_bandwidth())["read_GBps"]
+    return {"weight_bytes_per_step": decode_bytes_per_step(lm.model), "read_GBps": bandwidth}
+
+
+def with_floor(row: dict, floor: dict) -> dict:
+    steps_per_s = floor["read_GBps"] * 1e9 / floor["weight_bytes_per_step"]
+    row.update(floor_tokens_per_s=row["batch"] * steps_per_s, read_GBps=floor["read_GBps"],
+               eager_tokens_per_s=row["batch"] * 1e3 / row["eager_ms"],
+               compiled_tokens_per_s=row["batch"] * 1e3 / row["compiled_ms"])
+    return row
 
 
 def run(args: argparse.Namespace) -> None:
@@ -104,14 +127,21 @@ def run(args: argparse.Namespace) -> None:
             lm = load_model(name, args.device, dtype, settings.model_cache, prepack=prepack)
             torch.set_grad_enabled(False)
             enable_packed_batching(lm.model)
+            floor = memory_floor(lm)
             for variant in args.variants.split(","):
                 for row in measure(lm, variant, [int(b) for b in args.batches.split(",")], args):
                     row.update(model=name, dtype=dtype)
-                    results.append(row)
+                    results.append(with_floor(row, floor))
                     print(f"{name:<30}{dtype:<10}{variant:<22}{row['batch']:>6}{row['compile_s']:>11.1f}"
                           f"{row['eager_ms']:>10.1f}{row['compiled_ms']:>13.1f}"
                           f"{row['eager_ms'] / row['compiled_ms']:>9.2f}x{row['same_greedy_tokens']:>13}",
                           flush=True)
+                    replays = (f", {row['graph_replay_share']:.0%} of compiled steps replayed from CUDA graphs"
+                               if "graph_replay_share" in row else "")
+                    print(f"    tokens/s: eager {row['eager_tokens_per_s']:.1f}, compiled "
+                          f"{row['compiled_tokens_per_s']:.1f}; memory floor {row['floor_tokens_per_s']:.0f} "
+                          f"({row['compiled_tokens_per_s'] / row['floor_tokens_per_s']:.0%} of it, at "
+                          f"{floor['read_GBps']:.0f} GB/s){replays}", flush=True)
             del lm
             gc.collect()
     if args.out:
