@@ -55,8 +55,9 @@ class Settings(BaseSettings):
     decode_step: Literal["eager", "compiled"] = Field("eager", description="compiled: steps where every request "
                                                       "decodes one token run a step of fixed shapes over a KV pool "
                                                       "allocated at start, compiled per batch bucket at start (CUDA: "
-                                                      "captured as graphs); not bit-identical to eager; not used "
-                                                      "while the prefix cache or speculation is on")
+                                                      "captured as graphs); not bit-identical to eager; steps "
+                                                      "that verify speculative drafts stay eager; on a CPU in bf16 "
+                                                      "it needs PREPACK=false")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "

@@ -195,13 +195,22 @@ def test_engine_with_the_compiled_step_gives_the_eager_engines_tokens(tiny_lm, t
     assert engine._runner.static_decode.steps > 10  # most steps decoded through the pool
 
 
-def test_engine_keeps_the_eager_step_while_the_prefix_cache_is_on(tiny_lm, tiny_tokenizer, caplog):
-    requests = [(tiny_tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=8, do_sample=False, ignore_eos=True))]
-    with caplog.at_level("INFO", logger="app.core.engine"):
-        seen, engine = run_engine(dataclasses.replace(tiny_lm, model=copy.deepcopy(tiny_lm.model)), requests,
-                                  decode_step="compiled", speculative="off", prefix_cache_bytes=2**20)
-    assert len(seen[0].tokens) == 8 and engine._runner.static_decode is None
-    assert "the prefix cache is on" in caplog.text
+def test_engine_with_the_compiled_step_keeps_the_prefix_cache_and_speculation(tiny_lm, tiny_tokenizer):
+    """fp32, greedy, both shortcuts on: the compiled engine gives the eager engine's tokens; the second round of
+    the same prompts hits the prefix cache that the first round's pooled requests filled; drafts were verified
+    (eagerly, over the pool handles) and some rejected ones cropped."""
+    torch._dynamo.reset()
+    text = "one two three four five six seven eight nine ten " * 3  # repeats: the n-gram drafter proposes
+    requests = [(tiny_tokenizer.encode(p), SamplingParams(max_tokens=24, do_sample=False, ignore_eos=True))
+                for p in (text + "one two", PROMPTS[1] * 3)] * 2
+    settings = dict(max_active=2, prefix_cache_bytes=2**22, speculative="ngram")
+    eager, _ = run_engine(dataclasses.replace(tiny_lm, model=copy.deepcopy(tiny_lm.model)), requests, **settings)
+    compiled, engine = run_engine(dataclasses.replace(tiny_lm, model=copy.deepcopy(tiny_lm.model)), requests,
+                                  decode_step="compiled", **settings)
+    assert [s.tokens for s in compiled] == [s.tokens for s in eager]
+    assert engine._runner.static_decode.steps > 0
+    assert [s.cached_tokens > 0 for s in compiled] == [False, False, True, True]
+    assert engine.metrics.draft_tokens._value.get() > 0
 
 
 @pytest.mark.real_model

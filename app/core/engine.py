@@ -243,8 +243,7 @@ class Engine:
         if self.lm.ranks is not None:  # the other ranks mirror the packed passes, not a pooled step
             log.info("DECODE_STEP=compiled is off under tensor parallelism: the step stays eager")
             return None
-        return build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode,
-                                 prefix_cache=self.prefix_cache is not None, speculative=self.speculative != "off")
+        return build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode)
 
     def _serve(self) -> None:
         while True:

@@ -9,8 +9,10 @@ what is already there) and gives its blocks back when it is released or garbage-
 
 `PoolHandle` quacks like a DynamicCache where the engine uses one (`update`, `get_seq_length`, and `layers` with
 `get_seq_length` / `crop` for app/core/faults.py's roll-back), so a pooled request can still share an eager packed
-pass with prefill chunks (app/core/batching.py). The prefix cache and speculation still need a DynamicCache; the
-compiled step is not used while they are on (see app/core/static_step.py).
+pass with prefill chunks (app/core/batching.py) or speculation's drafts (`crop` drops rejected ones). The prefix
+cache meets the pool by copying: a hit loads a DynamicCache that is copied into the pool when its prefill ends, and
+a finished request's keys are gathered back out for it (`as_dynamic_cache`). Sharing its blocks in place, as vLLM
+does, is not done yet.
 
 `pooled_attention` is registered as an attention implementation: for a pooled decode step it reads every row's
 keys through its block table; for anything else it is `packed_attention` itself.
@@ -23,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from app.core.batching import grouped_decode_attention, packed_attention
@@ -124,8 +126,28 @@ class PoolHandle:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:  # where transformers places a pass's first query
+        return self.layers[layer_idx].length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(keys the pass's mask spans, their offset), as a DynamicCache's full-attention layer answers."""
+        return self.layers[layer_idx].length + query_length, 0
+
     def release(self) -> None:
         self._finalizer()
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop, every layer: speculation drops a rejected draft's keys this way. The blocks stay
+        held: the next tokens are written over them."""
+        for layer in self.layers:
+            layer.crop(max_length)
+
+    def as_dynamic_cache(self, config) -> DynamicCache:
+        """A DynamicCache holding a copy of this request's keys and values, one gather per layer: what the prefix
+        cache stores from at the request's end."""
+        return DynamicCache(ddp_cache_data=[(self.read(keys, layer.length), self.read(values, layer.length))
+                                            for keys, values, layer in zip(self.pool.keys, self.pool.values,
+                                                                           self.layers)], config=config)
 
     def reserve(self, length: int) -> None:
         """Hold enough blocks for `length` tokens (raises PoolExhausted, taking none, if the pool cannot)."""

@@ -222,8 +222,8 @@ class StaticDecodeStep:
             self.table[rows:bucket] = self.pool.pad_block
 
 
-def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool, prefix_cache: bool,
-                      speculative: bool, block_size: int = 16) -> StaticDecodeStep | None:
+def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool,
+                      block_size: int = 16) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
     from app.core.batching import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
@@ -232,8 +232,6 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
     why_not = ("this model's attention is not packed" if not batch_decode else
                "some layers use sliding or other attention; the pooled step does full attention only"
                if windows is None or any(w is not None for w in windows) else
-               "the prefix cache is on (PREFIX_CACHE_BYTES=0 turns it off)" if prefix_cache else
-               "speculative decoding is on (SPECULATIVE=off turns it off)" if speculative else
                "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
                if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else None)
     if why_not:

@@ -211,7 +211,8 @@ class StepRunner:
         if self.prefix_cache is None:
             return
         try:
-            self.prefix_cache.insert(token_ids, seq.cache)
+            as_dynamic = getattr(seq.cache, "as_dynamic_cache", None)  # a KV pool handle (DECODE_STEP=compiled)
+            self.prefix_cache.insert(token_ids, as_dynamic(self.lm.model.config) if as_dynamic else seq.cache)
         except Exception:  # noqa: BLE001
             log.exception("the prefix cache could not keep a sequence; serving goes on without it")
         self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
