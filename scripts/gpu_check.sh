@@ -30,8 +30,7 @@ timeout 150 "$PY" -m app bench step --models "$MODEL" --device cuda --dtypes bfl
     --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | grep -v "Loading weights"
 
 echo "== 4/4 bench serve on DECODE_STEP=compiled: 1 stream, then 8 (limit 200 s)"
-# the compiled step runs where the prefix cache and speculation are off (app/core/static_step.py)
-DECODE_STEP=compiled PREFIX_CACHE_BYTES=0 SPECULATIVE=off \
+DECODE_STEP=compiled \
     "$PY" -m app serve --model "$MODEL" --device cuda --port "$PORT" --served-model-name "$MODEL" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
