@@ -74,12 +74,23 @@ def generate(args: str, results: Path) -> str:
     return tables[kind](figures.load(results, files))
 
 
-def rewrite(text: str, results: Path) -> str:
-    return MARKED.sub(lambda m: m[1] + generate(m["args"], results).rstrip("\n") + "\n" + m[4], text)
+def rewrite(text: str, results: Path, links_from: str = "") -> str:
+    """`links_from`: where the page sits relative to docs/ ("" for docs/ itself, "docs/" for the README), so that
+    the links to each result file land."""
+    def block(m) -> str:
+        table = generate(m["args"], results).rstrip("\n").replace("](results/", f"]({links_from}results/")
+        return m[1] + table + "\n" + m[4]
+
+    return MARKED.sub(block, text)
 
 
 def pages(docs: Path) -> list[Path]:
-    return sorted(docs.glob("*.md"))
+    """Every page with generated blocks: docs/*.md and the README."""
+    return sorted(docs.glob("*.md")) + [docs.parent / "README.md"]
+
+
+def links_from(page: Path) -> str:
+    return "docs/" if page.name == "README.md" else ""
 
 
 def main(argv: list[str]) -> int:
@@ -87,7 +98,7 @@ def main(argv: list[str]) -> int:
     results, stale = DOCS / "results", []
     for page in pages(DOCS):
         text = page.read_text()
-        new = rewrite(text, results)
+        new = rewrite(text, results, links_from(page))
         if new != text:
             stale.append(page)
             if not check:

@@ -8,7 +8,9 @@ rounded figures.
 
 from __future__ import annotations
 
-from app.bench.figures import markdown, ms, provenance
+from pathlib import Path
+
+from app.bench.figures import DTYPES, markdown, ms, provenance
 
 GRAMMAR_GOAL = "<= 10%"  # issue 9's bound on what a json_schema grammar may add to a decode step
 GENERATE_ROWS = {  # bench generate's contender -> its row, when the run had prepacked weights
@@ -126,5 +128,21 @@ def routing_table(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n\n" + provenance(runs)
 
 
+def step_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench step`: per model, dtype and batch, ms per decode step eager and compiled, tokens/s against the memory
+    floor, the compile time, and how many greedy tokens the two paths agreed on."""
+    rows = []
+    for _, r in runs:
+        for row in r["results"]:
+            rows.append([Path(row["model"]).name, DTYPES.get(row["dtype"], row["dtype"]), str(row["batch"]),
+                         f"{row['eager_ms']:.1f}", f"{row['compiled_ms']:.1f}",
+                         f"{row['eager_ms'] / row['compiled_ms']:.2f}x",
+                         f"{row['compiled_tokens_per_s'] / row['floor_tokens_per_s']:.0%}",
+                         f"{row['compile_s']:.0f} s", row["same_greedy_tokens"]])
+    head = ["model", "dtype", "batch", "eager ms/step", "compiled ms/step", "compiled speed-up",
+            "compiled, share of the memory floor", "compile time", "same greedy tokens"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
 TABLES = {"grammar-decode": grammar_decode_table, "generate": generate_table, "soak": soak_table,
-          "routing": routing_table}
+          "routing": routing_table, "step": step_table}

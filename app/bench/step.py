@@ -145,5 +145,7 @@ def run(args: argparse.Namespace) -> None:
             del lm
             gc.collect()
     if args.out:
+        from app.bench import record
+
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "results": results}, f, indent=2)
+            json.dump({**record.envelope("step", args), "device": args.device, "results": results}, f, indent=2)
