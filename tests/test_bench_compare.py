@@ -56,12 +56,15 @@ def test_compare_runs_ours_and_transformers_serve_on_the_same_load(tmp_path, tin
 
 
 def test_bad_arguments_are_named(tmp_path):
-    done = bench("--servers", "ours,vllm", cwd=tmp_path)
-    assert done.returncode != 0 and "--servers" in done.stderr and "vllm" in done.stderr
-    done = bench("--model", str(tmp_path), "--servers", "ours", cwd=tmp_path)
-    assert done.returncode != 0 and "--model" in done.stderr and "config.json" in done.stderr
-    done = bench("--ignore-eos", cwd=tmp_path)  # transformers serve answers ignore_eos with a 422
-    assert done.returncode != 0 and "--ignore-eos" in done.stderr
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [("--servers", "ours,vllm"), ("--model", str(tmp_path), "--servers", "ours"),
+             ("--ignore-eos",)]  # transformers serve answers ignore_eos with a 422
+    with ThreadPoolExecutor(len(cases)) as pool:  # three CLI starts side by side: most of each is importing torch
+        servers, model, ignore_eos = pool.map(lambda argv: bench(*argv, cwd=tmp_path), cases)
+    assert servers.returncode != 0 and "--servers" in servers.stderr and "vllm" in servers.stderr
+    assert model.returncode != 0 and "--model" in model.stderr and "config.json" in model.stderr
+    assert ignore_eos.returncode != 0 and "--ignore-eos" in ignore_eos.stderr
 
 
 def test_llamacpp_and_int8_server_commands(tmp_path):
