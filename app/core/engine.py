@@ -238,12 +238,8 @@ class Engine:
         return min(1.0, max(0.0, held / self.kv_budget.capacity))
 
     def _set_up_static_decode(self):
-        if self.decode_step != "compiled":
-            return None
-        if self.lm.ranks is not None:  # the other ranks mirror the packed passes, not a pooled step
-            log.info("DECODE_STEP=compiled is off under tensor parallelism: the step stays eager")
-            return None
-        return build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode)
+        return (build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode)
+                if self.decode_step == "compiled" else None)
 
     def _serve(self) -> None:
         while True:

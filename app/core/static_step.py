@@ -229,7 +229,9 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
     from app.core.batching import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
 
     windows = attention_windows(lm.model) if batch_decode else None
-    why_not = ("this model's attention is not packed" if not batch_decode else
+    why_not = ("tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
+               if lm.ranks is not None else
+               "this model's attention is not packed" if not batch_decode else
                "some layers use sliding or other attention; the pooled step does full attention only"
                if windows is None or any(w is not None for w in windows) else
                "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
