@@ -61,12 +61,15 @@ def test_soak_fails_when_the_event_loop_stalls(make_tiny_server, tmp_path, fast_
     from app.openai.serving import CompletionServing
 
     real_add = CompletionServing._add
+    stall_until = float("inf")
 
     def slow_add(self, choice, event):
-        time.sleep(0.3)  # on the event loop, as blocking per-token work would be
+        if time.monotonic() < stall_until:
+            time.sleep(0.3)  # on the event loop, as blocking per-token work would be
         return real_add(self, choice, event)
 
     server = make_tiny_server()
+    stall_until = time.monotonic() + 10  # the 3 s of load and then some; the streams still open then end quickly
     monkeypatch.setattr(CompletionServing, "_add", slow_add)
     assert soak.run(soak_args(server.url, tmp_path, minutes=0.05, health_p99_ms=250.0)) == 1
     report = json.loads((tmp_path / "soak.json").read_text())
