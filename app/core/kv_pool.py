@@ -126,8 +126,7 @@ class PoolHandle:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:  # where transformers places a pass's first query
-        return self.layers[layer_idx].length
+    get_query_offset = get_seq_length  # where transformers places a pass's first query: after what is cached
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """(keys the pass's mask spans, their offset), as a DynamicCache's full-attention layer answers."""
