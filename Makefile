@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium qemu serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
+.PHONY: setup models chromium qemu serve test test-slow test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -38,10 +38,16 @@ serve: setup
 
 # torch.compile's state (dynamo's caches, counters, recompile limits) is process-wide, so the tests that compile
 # (marker `compile`) run in a process of their own, after the rest: neither side can leave state to the other.
+# Tests marked `slow` are real-model tests with a cheaper twin in `make test`, which keeps it within 25 minutes on
+# 2 cores; `make test-slow` runs them.
 test: setup chromium qemu
-	$(PY) -m pytest -m "not compile" $(PYTEST_ARGS)
-	$(PY) -m pytest -m compile $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked no compile test
+	$(PY) -m pytest -m "not compile and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "compile and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
 	$(MAKE) --no-print-directory test-avx2
+
+test-slow: setup
+	$(PY) -m pytest -m "slow and not compile" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m "slow and compile" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The AVX2-only path, run by `make test` too: the loading, dtype, prepack-fallback, logits and decode-loop tests
 # again on an emulated AMD EPYC Rome (AVX2, no AVX-512, no AMX), under qemu's user-mode emulator, so CPUID, torch,
@@ -59,6 +65,9 @@ AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py
 # fbgemm's AVX2 path was found here to saturate with full-range activations (app/models/quant.py).
 AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_speculative.py tests/test_prefix_cache.py \
 	tests/test_batch_rows.py
+# One emulated process for both lists (conftest.py keeps real-model tests to AVX2_TESTS and fails the run unless torch
+# sees an AVX2-only CPU), without the pytest plugins these files do not use: each costs seconds to load emulated.
+AVX2_PYTEST_FLAGS := -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
 # On a CPU that is itself AVX2-only, the main pass has just run those paths natively, so nothing is emulated.
 test-avx2: setup qemu
 	@if cpu=$$($(PY) -c "from app.models.cpu import cpu_features as f; c = f(); print(c.describe()); \
@@ -66,10 +75,8 @@ test-avx2: setup qemu
 		echo "test-avx2: this CPU is AVX2-only ($$cpu); the main pass ran its paths natively"; \
 	elif command -v qemu-x86_64 >/dev/null 2>&1 && [ "$$(uname -m)" = x86_64 ]; then \
 		cp scripts/python-avx2 $(VENV)/bin/python-avx2 && \
-		$(VENV)/bin/python-avx2 -c "import torch; from app.models.cpu import cpu_features as f; c = f(); \
-			assert c.aten_capability == 'AVX2' and not c.flags, c; print('test-avx2: emulated', c.describe())" && \
-		$(VENV)/bin/python-avx2 -m pytest -p no:cacheprovider $(AVX2_TESTS) $(PYTEST_ARGS) && \
-		$(VENV)/bin/python-avx2 -m pytest -p no:cacheprovider -m "not real_model" $(AVX2_KERNEL_TESTS) $(PYTEST_ARGS); \
+		TEST_EXPECT_AVX2_ONLY=1 TEST_REAL_MODEL_FILES="$(AVX2_TESTS)" \
+			$(VENV)/bin/python-avx2 -m pytest $(AVX2_PYTEST_FLAGS) $(AVX2_TESTS) $(AVX2_KERNEL_TESTS) $(PYTEST_ARGS); \
 	else \
 		echo "test-avx2: qemu-x86_64 not available; hiding AVX-512 through $(AVX2_ENV)" && \
 		$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS); \

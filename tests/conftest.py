@@ -32,6 +32,31 @@ CHAT_TEMPLATE = (
 )
 
 
+def pytest_configure(config):
+    """`make test-avx2` runs this suite under qemu with an AVX2-only CPU model and says so through
+    TEST_EXPECT_AVX2_ONLY: a broken emulator that let torch see AVX-512 would pass the pass without testing it."""
+    if os.environ.get("TEST_EXPECT_AVX2_ONLY"):
+        from app.models.cpu import cpu_features
+
+        cpu = cpu_features()
+        if not (cpu.aten_capability == "AVX2" and not cpu.flags):
+            raise pytest.UsageError(f"TEST_EXPECT_AVX2_ONLY is set, but this CPU shows {cpu.describe()}")
+        print(f"test-avx2: emulated {cpu.describe()}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """TEST_REAL_MODEL_FILES (space-separated test files): real-model tests run only in those, so that one emulated
+    pytest process covers both of `make test-avx2`'s lists (each process costs half a minute to start there)."""
+    files = os.environ.get("TEST_REAL_MODEL_FILES")
+    if files is None:
+        return
+    keep = {Path(f).name for f in files.split()}
+    dropped = [i for i in items if i.get_closest_marker("real_model") and i.path.name not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
+
+
 def build_tiny_tokenizer(vocab_size: int = 400):
     """A byte-level BPE small enough that Chinese characters and emoji span several tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

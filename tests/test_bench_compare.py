@@ -217,7 +217,9 @@ def test_prompt_lens_record_ttft_per_server_and_length_and_compare_to_llamacpp(t
     # the file the run wrote renders as the docs' table kind
     table = figures.tables()["ttft-by-prompt-length"]([("compare.json", report)])
     assert table.startswith("| server | ~64 tokens: TTFT p50 | ~256 tokens: TTFT p50 |")
-    assert "| llama.cpp `llama-server` | " in table and "simple-serve, bf16 ÷ llama.cpp 0.5" in table
+    assert "| llama.cpp `llama-server` | " in table
+    # the ratio sentence prints the run's own figure (the fakes' timing moves with the machine's load)
+    assert f"simple-serve, bf16 ÷ llama.cpp {ratios['ttft_p50']['ours']:.2f}x the TTFT p50" in table
 
 
 def test_a_server_crashed_at_a_prompt_length_says_so_and_is_never_compared(tmp_path, monkeypatch, capsys):

@@ -102,14 +102,18 @@ def test_missing_model_path_is_named():
 
 
 def test_cli_reports_bad_input_clearly():
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "app", "generate", *args], capture_output=True, text=True,
-                              timeout=300)
-
-    missing = run("hi", "--model", "/no/such/dir")
-    assert missing.returncode == 2 and "/no/such/dir" in missing.stderr
-    bad_top_p = run("hi", "--model", "smollm2-135m-instruct", "--top-p", "1.5")
-    assert bad_top_p.returncode == 2 and "top_p" in bad_top_p.stderr
-    ok = run("Which city is the capital of France?", "--model", "smollm2-135m-instruct", "--temperature", "0",
-             "--max-tokens", "8", "--show-logits", "3")
-    assert ok.returncode == 0 and ok.stdout.count("step") == 8
+    # the three starts run side by side: each is mostly its own imports, on one core
+    runs = [["hi", "--model", "/no/such/dir"], ["hi", "--model", "smollm2-135m-instruct", "--top-p", "1.5"],
+            ["Which city is the capital of France?", "--model", "smollm2-135m-instruct", "--temperature", "0",
+             "--max-tokens", "8", "--show-logits", "3"]]
+    starts = [subprocess.Popen([sys.executable, "-m", "app", "generate", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for args in runs]
+    try:
+        (_, missing), (_, bad_top_p), (ok, _) = [p.communicate(timeout=300) for p in starts]
+    finally:
+        for p in starts:
+            p.kill()
+    codes = [p.returncode for p in starts]
+    assert codes[0] == 2 and "/no/such/dir" in missing
+    assert codes[1] == 2 and "top_p" in bad_top_p
+    assert codes[2] == 0 and ok.count("step") == 8
