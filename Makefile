@@ -15,7 +15,7 @@ setup: $(VENV)/.installed models
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[convert,test]'
+	$(PY) -m pip install --quiet -e '.[convert,test,docs]'  # docs: the chart tests draw with matplotlib
 	# instructor (a test client) caps jiter < 0.15 and rich < 15, which the openai SDK and schemathesis we pin have
 	# outgrown; it runs fine on both (tests/test_anthropic_real.py), so it is installed without its caps. Its other
 	# needs (docstring-parser, jinja2, tenacity) come with the test extra.
@@ -113,7 +113,6 @@ bench-shortcuts: setup
 # The docs' generated tables (settings, benchmark figures) and PNG charts, from app/config.py and docs/results/*.json
 # (docs/benchmarking.md). matplotlib comes from the `docs` extra, installed here only when it is missing.
 docs-figures: $(VENV)/.installed
-	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[docs]'
 	$(PY) -m app docs-figures
 
 # On a CUDA machine, < 10 minutes: GPU-marked tests, bench generate, bench step (eager vs compiled + CUDA graphs against

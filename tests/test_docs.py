@@ -6,7 +6,6 @@ live server (the tiny model, served under the default model's id, so the blocks 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import shutil
@@ -182,7 +181,6 @@ def test_runnable_block_runs_against_a_live_server(docs_server, name, lang, code
 
 
 def test_the_charts_are_drawn_from_the_results(tmp_path):
-    pytest.importorskip("matplotlib")  # the `docs` extra; `make docs-figures` installs it
     from app.bench import charts
 
     written = charts.draw_all(DOCS / "results", tmp_path)
@@ -331,7 +329,6 @@ def test_the_ttft_by_prompt_length_table_renders_between_markers(ttft_results):
     assert any(line.startswith("~1,200-token prompt: simple-serve, bf16 ÷ llama.cpp no comparison") for line in lines)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib: the `docs` extra")
 def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_results, tmp_path, capsys):
     from app.bench import charts
 
