@@ -123,6 +123,9 @@ def test_two_gloo_ranks_equal_one_process_and_a_killed_rank_fails_cleanly(tmp_pa
             print("\n" + srv.log_tail(), file=sys.stderr)
 
 
+# `make test-slow`'s: its twins in `make test` are a tiny qwen2 on two ranks (above) and SmolLM2's real weights on
+# three (below), the same code on each side
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_default_model_on_two_gloo_ranks_equals_one_process(tmp_path):
     from app.config import DEFAULT_MODEL
