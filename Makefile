@@ -111,7 +111,7 @@ bench-shortcuts: setup
 	$(PY) -m app bench shortcuts
 
 # The docs' generated tables (settings, benchmark figures) and PNG charts, from app/config.py and docs/results/*.json
-# (docs/benchmarking.md). matplotlib comes from the `docs` extra, installed here only when it is missing.
+# (docs/benchmarking.md). matplotlib comes from the `docs` extra, which `make setup` installs.
 docs-figures: $(VENV)/.installed
 	$(PY) -m app docs-figures
 
