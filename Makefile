@@ -67,7 +67,7 @@ AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_sp
 	tests/test_batch_rows.py
 # One emulated process for both lists (conftest.py keeps real-model tests to AVX2_TESTS and fails the run unless torch
 # sees an AVX2-only CPU), without the pytest plugins these files do not use: each costs seconds to load emulated.
-AVX2_PYTEST_FLAGS := -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
+AVX2_PYTEST_FLAGS := -m "not slow" -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
 # On a CPU that is itself AVX2-only, the main pass has just run those paths natively, so nothing is emulated.
 test-avx2: setup qemu
 	@if cpu=$$($(PY) -c "from app.models.cpu import cpu_features as f; c = f(); print(c.describe()); \

@@ -55,6 +55,8 @@ def test_tiny_batch_equals_solo(tiny_lm):
     check_batch_invariance(tiny_lm, 40)
 
 
+# `make test-slow`'s (27 s): its twins in `make test` are SmolLM2's real weights below and the tiny model above
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_qwen_batch_equals_solo(qwen_fp32):
     check_batch_invariance(qwen_fp32, 32)

@@ -180,6 +180,33 @@ def test_runnable_block_runs_against_a_live_server(docs_server, name, lang, code
     assert '"error"' not in done.stdout, f"{name} got an error:\n{done.stdout}"
 
 
+# The walkthrough's commands run the real SmolLM2 on this machine, with the page's output block under them.
+REAL_MODEL_BLOCK = re.compile(r"<!-- runnable: real model -->\n```bash\n(?P<code>.*?)```(?:\n\n```\n(?P<shown>.*?)```)?",
+                              re.S)
+
+
+@pytest.mark.real_model
+def test_the_walkthroughs_commands_run_and_its_fp32_ones_print_what_the_page_shows():
+    """Each command of walkthrough.md runs (exit 0, prints). The ones that load in fp32 print exactly the output the
+    page shows under them; the others run in this CPU's default dtype, so their figures are this CPU's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [(m["code"], m["shown"]) for m in REAL_MODEL_BLOCK.finditer((DOCS / "walkthrough.md").read_text())]
+    assert len(blocks) >= 7
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        code = code.replace(".venv/bin/python", sys.executable)
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:  # each is mostly its own start: two at a time
+        done = list(pool.map(run, [code for code, _ in blocks]))
+    for (code, shown), result in zip(blocks, done):
+        assert result.returncode == 0 and result.stdout.strip(), f"{code}\n{result.stdout}\n{result.stderr[-2000:]}"
+        if 'dtype="float32"' in code:
+            assert shown and result.stdout == shown, f"{code}\nprinted:\n{result.stdout}\npage shows:\n{shown}"
+
+
 def test_the_charts_are_drawn_from_the_results(tmp_path):
     from app.bench import charts
 

@@ -285,7 +285,10 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
     assert written["bench"] == "generate" and written["machine"]["cores"] >= 1 and written["ours_vs_hf"] > 0
 
 
+# `make test-slow`'s (25 s): its twin in `make test` is SmolLM2 loaded prepacked in bf16 keeping generate()'s greedy
+# tokens (tests/test_loading.py), with the bit-for-bit logits checks above
 @needs_prepack
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_prepacked_qwen_bf16_gives_transformers_own_greedy_tokens():
     """bf16, every linear prepacked (what PREPACK=auto keeps where packing measures faster) against transformers'
