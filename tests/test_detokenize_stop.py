@@ -176,6 +176,66 @@ def test_a_long_run_of_skipped_special_tokens_costs_linear_work(tokenizer):
         assert sum(decoded) < 100  # the window never holds the skipped ids
 
 
+def test_a_long_run_of_invalid_bytes_costs_flat_work_per_token(tokenizer):
+    """Issue 34: logit_bias pushed a model onto a lone continuation byte (SmolLM2's id 111, Qwen's 94: 0xA1), and
+    the window, always ending in U+FFFD, was decoded whole again on every token (8,000 tokens: 5.6 s of engine
+    time). Now each token costs a bounded decode, the bytes come out as decode's U+FFFDs while they stream, and
+    the streamed text still equals the one-shot decode. Counted in decoded ids, not timed."""
+    calls: list[int] = []
+
+    class Counting:
+        all_special_ids = tokenizer.all_special_ids
+
+        def decode(self, ids, **kwargs):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    stray = byte_token_ids(tokenizer, "😀")[1]  # a continuation byte: never the start of a character
+    per_token = {}
+    for run in (1_000, 4_000):
+        calls.clear()
+        ids = encode(tokenizer, "Hi ") + [stray] * run + encode(tokenizer, " 你好")
+        deltas, rest = stream(Counting(), ids, encode(tokenizer, "prompt"))
+        assert "".join(deltas) + rest == decode(tokenizer, ids) == "Hi " + "\ufffd" * run + " 你好"
+        assert "".join(deltas[: run // 2]).count("\ufffd") >= run // 2 - 8, "the bytes stream, they are not held"
+        assert max(calls) <= 40, "every decode sees a bounded window"
+        per_token[run] = sum(calls) / len(ids)
+    assert per_token[4_000] <= 1.05 * per_token[1_000], per_token  # flat, not growing with the run
+
+
+
+def test_a_tail_with_no_clean_cut_is_still_bounded():
+    """A decoder whose text ends in U+FFFD at every length and never splits cleanly (no real tokenizer does
+    this): the window is cut anyway, so the work per token stays bounded and the text keeps coming."""
+    calls: list[int] = []
+
+    class NeverComplete:
+        all_special_ids = ()
+
+        def decode(self, ids, **kwargs):
+            calls.append(len(ids))
+            return "x" * len(ids) + "\ufffd"
+
+    det = IncrementalDetokenizer(NeverComplete())
+    deltas = [det.add(7) for _ in range(2_000)]
+    assert max(calls) <= 40
+    assert sum(len(d) for d in deltas) > 1_500
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(st.one_of(st.binary(min_size=1, max_size=6).map(lambda b: (b, True)),
+                                 st.sampled_from(["ok ", "你好", "😀", "a"]).map(lambda t: (t.encode(), False))),
+                       max_size=40))
+def test_any_byte_stream_streams_what_decode_shows(pieces):
+    """Valid or not (stray continuation bytes, truncated characters, overlong starts), the streamed text is the
+    one-shot decode, and no delta ends in half of a character that later tokens complete."""
+    tok = _tokenizer()
+    ids = []
+    for raw, as_bytes in pieces:
+        ids += tok.convert_tokens_to_ids([BYTE_CHARS[b] for b in raw]) if as_bytes else encode(tok, raw.decode())
+    deltas, rest = stream(tok, ids)
+    assert "".join(deltas) + rest == decode(tok, ids)
+
+
 # ---------------------------------------------------------------- stop strings
 
 
