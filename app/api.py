@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Annotated
 
@@ -43,16 +42,17 @@ State = Annotated[ServerState, Depends(get_state)]
 
 
 def require_api_key(request: Request, state: State) -> None:
-    expected = state.settings.api_key
-    if not expected:
+    if not state.api_keys:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     bearer = token.strip() if scheme.lower() == "bearer" else ""
-    # compare_digest: the time taken must not reveal how much of the key matched; `x-api-key` is Anthropic's header
-    if not any(secrets.compare_digest(key.encode(), expected.encode())
-               for key in (bearer, request.headers.get("x-api-key", "").strip()) if key):
+    # compared in constant time (app/auth.py); `x-api-key` is Anthropic's header
+    tenant = state.api_keys.tenant(bearer, request.headers.get("x-api-key", "").strip())
+    if tenant is None:
         raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+    if state.settings.prefix_cache_per_key:
+        request.state.cache_tenant = tenant  # the serving layer salts the prefix cache with it
 
 
 def get_serving(state: State) -> CompletionServing:
@@ -96,7 +96,9 @@ async def ready(state: State) -> JSONResponse:
 
 
 @public.get("/metrics")
-async def metrics(state: State) -> Response:
+async def metrics(request: Request, state: State) -> Response:
+    if state.settings.metrics_require_key:
+        require_api_key(request, state)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

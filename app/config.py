@@ -41,7 +41,13 @@ class Settings(BaseSettings):
                                  "linears' size again in RAM); auto: where it can, true: fail at start where it cannot")
     quant: Literal["none", "int8"] = Field("none", description="int8: every linear reads int8 weights (faster, "
                                            "not exact; quality measured by `bench quality`)")
-    api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`")
+    api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
+                                "keys, comma-separated, are several tenants")
+    prefix_cache_per_key: bool = Field(True, description="each API key reuses only prefix-cache entries made under "
+                                       "the same key, so tenants cannot probe each other's prompts through "
+                                       "`cached_tokens` (off: the keys share the cache)")
+    metrics_require_key: bool = Field(False, description="/metrics needs an API key too (off: open to scrapers; "
+                                      "it shows server-wide counts, docs/limits.md says which)")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from functools import partial
 
+from app.auth import ApiKeys
 from app.config import Settings
 from app.core.engine import Engine
 from app.core.schema_check import GrammarLimits
@@ -29,6 +30,7 @@ def grammar_limits(s: Settings) -> GrammarLimits:
 class ServerState:
     def __init__(self, settings: Settings, lm: LoadedModel | None = None):
         self.settings = settings
+        self.api_keys = ApiKeys(settings.api_key)
         self.metrics = Metrics()
         self.lm = lm
         self.engine: Engine | None = None

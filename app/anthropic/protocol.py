@@ -35,7 +35,7 @@ from app.openai.protocol import ChatCompletionRequest
 
 # Our own sampling extras a Messages request may carry too (vLLM accepts the same extras on every API).
 PASS_THROUGH = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-                "min_tokens")
+                "min_tokens", "cache_salt")
 # Where a chat parameter came from, so that a 400 names the field the client actually sent.
 CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                           "max_reasoning_tokens": "thinking.budget_tokens"}

@@ -4,6 +4,7 @@ skips prefilling that part.
     prompt ids   [ block 0 | block 1 | block 2 | ... | tail ]      fixed-size blocks of `block_size` tokens
     block key    (parent block's id, the block's own tokens)      a hash chain: a block only matches after the
                                                                   same blocks before it, as in vLLM
+    first block  (the request's cache salt, its tokens)           so entries are shared only under one salt
     a hit        the longest run of cached blocks from the start, capped so at least the last prompt token is
                  recomputed (its logits choose the first new token)
 
@@ -11,6 +12,11 @@ Each block holds its KV for every layer in one immutable tensor `[layers, 2 (key
 A hit is copied into the new request's own DynamicCache (`load`), so requests never share or mutate cached tensors
 and a block can be evicted at any time. Keys are exact (Python compares the token tuples on a dict hit), so two
 different prompts never share KV because of a hash collision.
+
+A request's cache salt (vLLM's `cache_salt`; the serving layer also salts by API key) is the parent of its first
+block, as vLLM mixes the salt into the first block's hash: a prompt is reused only by requests under the same salt,
+so one tenant can never learn from `cached_tokens` (or from a faster first token) what another tenant's prompts
+held. No salt (None) is one shared namespace of its own.
 
 Eviction is least-recently-used over blocks, bounded in bytes. A hit touches its blocks from the last to the first,
 so a parent is always more recent than its children; the least recent block is then always a leaf, and evicting it
@@ -66,6 +72,11 @@ def keeps_all_keys(config) -> bool:
     return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
 
 
+def root(salt: str | None) -> int | tuple[str, str]:
+    """The parent key of a first block: 0 without a salt, the salt itself otherwise (never equal to a block id)."""
+    return 0 if salt is None else ("salt", salt)
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, budget: KVBudget | None = None):
         if block_size < 1:
@@ -83,11 +94,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, prompt_ids: Sequence[int]) -> list[Block]:
-        """The cached blocks that start `prompt_ids`, at most `len(prompt_ids) - 1` tokens' worth; marks them used."""
+    def match(self, prompt_ids: Sequence[int], salt: str | None = None) -> list[Block]:
+        """The cached blocks that start `prompt_ids` under `salt`, at most `len(prompt_ids) - 1` tokens' worth;
+        marks them used."""
         b = self.block_size
         blocks: list[Block] = []
-        parent_id = 0
+        parent_id = root(salt)
         for start in range(0, len(prompt_ids) - 1 - b + 1, b):  # full blocks that leave the last token out
             block = self._blocks.get((parent_id, tuple(prompt_ids[start : start + b])))
             if block is None:
@@ -103,9 +115,9 @@ class PrefixCache:
         # DynamicCache.update concatenates, so each layer gets its own contiguous copy, never a view of `kv`.
         return DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv], config=config)
 
-    def insert(self, token_ids: Sequence[int], cache: DynamicCache) -> int:
-        """Store the full blocks of `token_ids` whose KV `cache` holds and that are not cached yet; returns how many
-        blocks were added. `cache` must hold exactly `token_ids[:cache.get_seq_length()]`."""
+    def insert(self, token_ids: Sequence[int], cache: DynamicCache, salt: str | None = None) -> int:
+        """Store the full blocks of `token_ids` whose KV `cache` holds and that are not cached yet, under `salt`;
+        returns how many blocks were added. `cache` must hold exactly `token_ids[:cache.get_seq_length()]`."""
         n_tokens = min(len(token_ids), cache.get_seq_length())
         layers = cache.layers
         if self.max_bytes <= 0 or any(layer.keys is None or layer.keys.shape[-2] != n_tokens for layer in layers):
@@ -113,7 +125,7 @@ class PrefixCache:
         b, added, path = self.block_size, 0, []
         parent: Block | None = None
         for start in range(0, n_tokens - b + 1, b):
-            key = (parent.id if parent else 0, tuple(token_ids[start : start + b]))
+            key = (parent.id if parent else root(salt), tuple(token_ids[start : start + b]))
             block = self._blocks.get(key)
             if block is None:
                 kv = torch.stack([torch.stack((layer.keys[0, :, start : start + b], layer.values[0, :, start : start + b]))

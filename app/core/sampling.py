@@ -69,6 +69,8 @@ class SamplingParams:
     do_sample: bool = True
     preamble: Preamble | None = None  # a reasoning model's thinking: its end marker and token budget
     grammar: Any = field(default=None, compare=False)  # app.core.constraints.Grammar: the answer must match it
+    # prefix-cache entries are reused only among requests with the same salt (vLLM's `cache_salt`); never echoed
+    cache_salt: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, why: str) -> None:
@@ -99,6 +101,8 @@ class SamplingParams:
         check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", "must fit in 64 bits")
         check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         check(0 <= self.inspect <= MAX_INSPECT, "inspect", f"must be in [0, {MAX_INSPECT}] candidates")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
 
     @property
     def greedy(self) -> bool:
@@ -113,7 +117,7 @@ class SamplingParams:
 
     def effective(self) -> dict[str, Any]:
         """What will actually be used, for the `x-sampling-params` header and `--show-logits`."""
-        skip = ("logit_bias", "stop", "preamble", "grammar")
+        skip = ("logit_bias", "stop", "preamble", "grammar", "cache_salt")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["grammar"] = self.grammar.description if self.grammar is not None else None
         if self.preamble is not None:

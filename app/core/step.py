@@ -199,7 +199,7 @@ class StepRunner:
         if self.prefix_cache is None:
             return
         self.metrics.prefix_cache_queried.inc(seq.prompt_len)
-        blocks = self.prefix_cache.match(handle.prompt_ids)
+        blocks = self.prefix_cache.match(handle.prompt_ids, handle.params.cache_salt)
         if blocks:
             seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
             handle.cached_tokens = seq.cache.get_seq_length()
@@ -212,7 +212,8 @@ class StepRunner:
             return
         try:
             as_dynamic = getattr(seq.cache, "as_dynamic_cache", None)  # a KV pool handle (DECODE_STEP=compiled)
-            self.prefix_cache.insert(token_ids, as_dynamic(self.lm.model.config) if as_dynamic else seq.cache)
+            self.prefix_cache.insert(token_ids, as_dynamic(self.lm.model.config) if as_dynamic else seq.cache,
+                                     seq.params.cache_salt)
         except Exception:  # noqa: BLE001
             log.exception("the prefix cache could not keep a sequence; serving goes on without it")
         self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)

@@ -6,6 +6,7 @@ rejected with a 400 that names them (`unsupported_fields`), rather than silently
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from app.openai.reasoning import ReasoningFormat, reasoning_budget
 from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
 MAX_N = 8
+MAX_CACHE_SALT_CHARS = 256  # vLLM suggests 43 characters (256 random bits, base64)
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
 RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                                     "add_generation_prompt", "continue_final_message", "return_dict",
@@ -92,6 +94,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     inspect: InspectOptions | None = None  # ours: the token inspector (the playground, docs/walkthrough.md)
     user: str | None = None
+    # vLLM's: prefix-cache entries are reused only among requests with the same salt (docs/api.md)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop")
     @classmethod
@@ -139,13 +143,14 @@ class _SamplingFields(BaseModel):
 
     def to_sampling_params(self, model_defaults: dict[str, Any], choice_index: int = 0,
                            reasoning: ReasoningFormat | None = None, grammar: Any = None,
-                           default_max_tokens: int | None = None) -> SamplingParams:
+                           default_max_tokens: int | None = None, tenant: str | None = None) -> SamplingParams:
         """Request fields -> SamplingParams: the one place the wire format meets the engine. `reasoning`: how the
         served model marks its thinking, or None for a model that does not think. `grammar`: the compiled
         constraint (app.openai.structured says what it enforces), or None.
 
         `default_max_tokens` applies when the request sets no limit: the serving layer caps it (like OpenAI's
-        per-model output limit), so that n choices can never each run to the end of the context by default."""
+        per-model output limit), so that n choices can never each run to the end of the context by default.
+        `tenant`: the caller's API-key tenant when the server salts the prefix cache by key (app/auth.py)."""
         self.unsupported_fields()
         logprobs, top_logprobs = self._logprob_settings()
         max_tokens = self._max_tokens()
@@ -159,6 +164,7 @@ class _SamplingFields(BaseModel):
             # choices of one request must differ, yet stay reproducible for a fixed seed (and inside 64 bits)
             "seed": None if self.seed is None else (self.seed + choice_index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0],
             "preamble": self._preamble(reasoning), "grammar": grammar,
+            "cache_salt": engine_cache_salt(tenant, self.cache_salt),
         }
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             fields["top_k"] = 0
@@ -168,6 +174,14 @@ class _SamplingFields(BaseModel):
             except ValueError as err:
                 raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from err
         return resolve_sampling_params({k: v for k, v in fields.items() if v is not None}, model_defaults)
+
+
+def engine_cache_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The engine's prefix-cache salt: the request's `cache_salt` within its tenant, so an explicit salt never
+    reaches across keys. Only a digest reaches the engine, never the salt a client sent."""
+    if tenant is None and salt is None:
+        return None
+    return hashlib.sha256(f"{tenant or ''}\0{salt or ''}".encode()).hexdigest()  # a tenant id is hex: no \0
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -106,7 +106,8 @@ class CompletionServing:
         reasoning = self.reasoning if chat else None
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
         default_max = min(self.default_max_tokens or room, room) if room >= 1 else None
-        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max)
+        tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
+        params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max, tenant)
                   for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
         choices = self._submit(prompt_ids, params, thinking)

@@ -1,0 +1,45 @@
+"""API keys: whether a request carries one, and which prefix-cache tenant it stands for.
+
+`API_KEY` holds one key or several, comma-separated (one per tenant). The keys are kept only as HMAC digests
+under a secret drawn at start, and a presented key is compared digest to digest in constant time, so neither
+a timing nor this object in a memory dump gives a key away. The digest is also the key's tenant id: with
+`PREFIX_CACHE_PER_KEY`, requests under one key reuse only prefix-cache entries made under the same key
+(app/core/prefix_cache.py), so one tenant cannot probe another's prompts through `cached_tokens`. The id means
+nothing outside this process and changes at each start, as the cache itself does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+
+def split_keys(setting: str | None) -> tuple[str, ...]:
+    """`API_KEY="key-a,key-b"` -> the keys, blanks dropped (a key cannot hold a comma)."""
+    return tuple(key.strip() for key in (setting or "").split(",") if key.strip())
+
+
+class ApiKeys:
+    def __init__(self, setting: str | None):
+        self._secret = secrets.token_bytes(32)
+        self._digests = tuple(self._digest(key) for key in split_keys(setting))
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def _digest(self, key: str) -> str:
+        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+
+    def tenant(self, *presented: str) -> str | None:
+        """The tenant id of the first presented key that is one of ours, else None. Every pair is compared, with
+        no early exit, so the time taken does not say which key matched or how much of one."""
+        found = None
+        for candidate in presented:
+            if not candidate:
+                continue
+            digest = self._digest(candidate)
+            for ours in self._digests:
+                if hmac.compare_digest(digest, ours) and found is None:
+                    found = ours
+        return found
