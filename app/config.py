@@ -82,6 +82,8 @@ class Settings(BaseSettings):
     grammar_compile_queue: int = Field(8, ge=0, description="grammar compiles waiting for a worker (429 past it)")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
+    sse_send_timeout_s: float = Field(30.0, gt=0, description="a stream whose client accepts no event or ping for "
+                                      "this long (it stopped reading) is ended and its generation cancelled")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -62,7 +62,7 @@ class ServerState:
             if self.lm.ranks is not None:
                 self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
             self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
-                                             grammar_limits(s))
+                                             grammar_limits(s), s.sse_send_timeout_s)
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"

@@ -26,7 +26,6 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from app.anthropic.errors import anthropic_error, anthropic_status
 from app.anthropic.protocol import CHAT_TO_MESSAGES_PARAM, CountTokensRequest, MessagesRequest, _Conversation
@@ -34,7 +33,8 @@ from app.errors import InvalidRequest, ServeError
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest
 from app.openai.responses import choice_calls
-from app.openai.serving import SSE_PING_S, CompletionServing, record_timing
+from app.openai.serving import CompletionServing, record_timing
+from app.openai.sse import event_stream
 
 log = logging.getLogger("app.anthropic.serving")
 PING_S = 5.0  # a `ping` event after this long without any other
@@ -60,8 +60,7 @@ class MessagesServing:
         answer = Answer(self.serving.model_id, len(prompt_ids))
         request.state.request_id = answer.id
         if body.stream:
-            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return EventSourceResponse(self._stream(answer, choices, request), ping=SSE_PING_S, headers=headers)
+            return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
         await self.serving.collect(choices, request)
         choice = choices[0]
         answer.delta_events(Delta("".join(choice.reasoning), "".join(choice.text), finish_reason=choice.finish_reason,

@@ -23,13 +23,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from app.errors import InvalidRequest, ServeError
 from app.openai.protocol import ChatCompletionRequest, now
 from app.openai.responses_protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
 from app.openai.answer import Choice, Delta
-from app.openai.serving import SSE_PING_S, CompletionServing, record_timing
+from app.openai.serving import CompletionServing, record_timing
+from app.openai.sse import event_stream
 from app.openai.tools import ToolCallDelta
 
 log = logging.getLogger("app.openai.responses")
@@ -52,8 +52,7 @@ class ResponsesServing:
         answer = Answer(body, chat, self.serving.model_id, len(prompt_ids))
         request.state.request_id = answer.id
         if body.stream:
-            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return EventSourceResponse(self._stream(answer, choices, request), ping=SSE_PING_S, headers=headers)
+            return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
         try:
             await self.serving.collect(choices, request)
         except InvalidRequest as err:  # a grammar's dead end, say: named as this client sent it

@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from app.core.engine import Engine
 from app.errors import InvalidRequest, ModelNotFound, ServeError
@@ -28,12 +27,12 @@ from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from app.core.constraints import Grammar, Grammars
 from app.core.schema_check import GrammarLimits
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.sse import event_stream
 from app.openai.structured import forced_tool_tag, response_schema
 from app.openai.tools import make_parser, tool_format
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.openai.serving")
-SSE_PING_S = 15
 DISCONNECT_POLL_S = 0.2
 
 
@@ -43,8 +42,9 @@ def error_body(err: ServeError) -> dict[str, Any]:
 
 class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
-                 grammar_limits: GrammarLimits = GrammarLimits()):
+                 grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None):
         self.engine = engine
+        self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
         self.lm = lm
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
@@ -127,8 +127,7 @@ class CompletionServing:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request)
-            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return EventSourceResponse(events, ping=SSE_PING_S, headers=headers)
+            return event_stream(events, headers, self.sse_send_timeout_s)
         await self.collect(choices, request)
         return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids)),
                             headers=headers)
