@@ -24,6 +24,7 @@ from app.api import WEB_DIR, public, router
 from app.config import Settings
 from app.core.tensor_parallel import run_follower
 from app.errors import Overloaded, ServeError, ShuttingDown
+from app.logs import LogFormatter, escape_controls
 from app.models.distributed import launched_rank
 from app.models.loading import LoadedModel, load_model
 from app.openai.serving import error_body
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-sampling-params"])
     app.add_middleware(AccessAndLimits, state=state)
+    app.add_middleware(CatchAll)  # outermost of ours: also catches what the middlewares above raise
     install_error_handlers(app)
     app.openapi = partial(served_openapi, app, settings.model_id)
     return app
@@ -107,11 +109,36 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request, err.status_code, {"error": {
             "message": str(err.detail), "type": "invalid_request_error", "param": None, "code": None}}, err.headers)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        logging.getLogger("app").exception("unhandled error")
-        return error_response(request, 500, {"error": {"message": f"internal error: {type(err).__name__}",
-                                                       "type": "server_error", "param": None, "code": None}})
+
+class CatchAll:
+    """Pure ASGI middleware, the last word on an exception no handler knew: a 500 in the route's error shape, and
+    the traceback logged from a worker thread, bounded by app/logs.py's formatter. Starlette's own catch-all (an
+    `Exception` handler) hands the exception on to uvicorn after answering, which logs the whole traceback again on
+    the event loop (512 KB for one RecursionError) and closes the keep-alive connection, which a proxy may share."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            # in a thread: the handler formats the traceback and writes it (to a pipe that may be slow to drain)
+            await asyncio.to_thread(logging.getLogger("app").error, "unhandled error in %s %s", scope.get("method"),
+                                    escape_controls(scope.get("path", "")), exc_info=err)
+            if not started:  # else a response is half sent: nothing more can be said on it
+                await error_response(Request(scope), 500, {"error": {
+                    "message": f"internal error: {type(err).__name__}", "type": "server_error", "param": None,
+                    "code": None}})(scope, receive, send)
 
 
 class AccessAndLimits:
@@ -178,8 +205,10 @@ class AccessAndLimits:
         status = info.get("failed_status", status)
         self.state.metrics.requests.labels(path if path in GENERATION_PATHS else "other", str(status)).inc()
         ttft = info.get("ttft_s")
+        # the path as received, but on one line: `%0a` in a URL must not write a forged line of its own
         log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),
-                 scope.get("method"), path, status, info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
+                 scope.get("method"), escape_controls(path), status, info.get("prompt_tokens", "-"),
+                 info.get("completion_tokens", "-"),
                  f" ttft={ttft:.3f}s" if ttft is not None else "", time.perf_counter() - started,
                  extra={"cancelled": info.get("cancelled", False)})
 
@@ -244,8 +273,16 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def log_to_stderr(level: str, fmt: str) -> None:
+    """Every logger's records, uvicorn's included, through app/logs.py's formatter: one line per message, and
+    tracebacks bounded."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormatter(fmt))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
 def run_server(settings: Settings) -> int:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.tensor_parallel > 1:
         launched_rank(settings.tensor_parallel)  # torchrun started us, one process per rank: say how otherwise
     app = create_app(settings)
@@ -258,8 +295,7 @@ def run_server(settings: Settings) -> int:
 
 def run_tensor_parallel_follower(settings: Settings) -> int:
     """Ranks > 0 under `--tensor-parallel`: no HTTP, only rank 0's passes on this rank's shard."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
+    log_to_stderr(settings.log_level, f"%(asctime)s %(levelname)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
     s = settings
     return run_follower(partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                 prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel))

@@ -58,3 +58,20 @@ def test_each_layer_hands_its_cache_new_keys_and_attends_to_what_update_returns(
                     use_cache=True)
     assert len(returned) == len(received) == model.config.num_hidden_layers
     assert all(k_out is k_in and v_out is v_in for (k_out, v_out), (k_in, v_in) in zip(returned, received))
+
+
+def test_chat_template_kwargs_cannot_name_an_argument_of_apply_chat_template():
+    """app/models/chat_template.py refuses these names in a request's chat_template_kwargs: every parameter of
+    apply_chat_template and of the renderer it hands the rest to (a clash was a TypeError 500, or switched
+    transformers' own behaviour), and every global of the template environment (a function the template calls)."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+    from app.models.chat_template import RESERVED_TEMPLATE_ARGS
+
+    params = {name for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
+              for name, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    environment = set(_compile_jinja_template("{{ x }}").environment.globals)
+    assert params | environment <= RESERVED_TEMPLATE_ARGS, (params | environment) - RESERVED_TEMPLATE_ARGS

@@ -248,7 +248,7 @@ def assistant_turn(content: list, where: str) -> list[dict[str, Any]]:
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
             calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+                          "function": {"name": block.name, "arguments": tool_input_json(block, f"{where}.{j}.input")}})
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, (ImageBlock, DocumentBlock)):
@@ -262,6 +262,16 @@ def assistant_turn(content: list, where: str) -> list[dict[str, Any]]:
     if thoughts:
         message["reasoning_content"] = "\n\n".join(thoughts)
     return [message]
+
+
+def tool_input_json(block: ToolUseBlock, where: str) -> str:
+    """A tool_use block's input as the JSON string a chat tool call carries."""
+    try:  # strict JSON: a NaN would reach the template as a bare `NaN`
+        return json.dumps(block.input, ensure_ascii=False, allow_nan=False)
+    except RecursionError as err:  # deeper than the encoder's stack (about 1,000 levels of lists and objects)
+        raise InvalidRequest("tool_use input is nested too deeply", param=where) from err
+    except ValueError as err:
+        raise InvalidRequest(f"tool_use input is not valid JSON: {err}", param=where) from err
 
 
 def tool_result_text(block: ToolResultBlock, where: str) -> str:

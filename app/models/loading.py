@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,6 +20,7 @@ from jinja2 import TemplateError
 
 from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
+from app.models.chat_template import passed_kwargs, template_variables
 from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
@@ -61,25 +63,45 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @cached_property
+    def template_variables(self) -> frozenset[str] | None:
+        """What the chat template reads: the only request kwargs passed to it (app/models/chat_template.py)."""
+        return template_variables(getattr(self.tokenizer, "chat_template", None))
+
     def encode_chat(self, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Render with the tokenizer's own chat template (and its way of showing `tools`), ending in the assistant's
         turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`.
 
         A template that cannot render these messages is the caller's problem to fix, not a server fault: no
-        template at all, or one that raises on the role order or a system message (`raise_exception`)."""
+        template at all, one that raises on the role order or a system message (`raise_exception`), values nested
+        deeper than transformers' conversion of messages or the template's `tojson` can recurse (RecursionError at
+        about 480 levels), or a value the template cannot handle (TypeError). The request is all that went in here,
+        so whatever is raised is a 400, never a 500."""
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      **(template_kwargs or {}))
-        except (TemplateError, ValueError) as err:  # transformers raises ValueError when there is no template
-            raise InvalidRequest(f"the model's chat template cannot render these messages: {err}",
+                                                      **passed_kwargs(template_kwargs or {}, self.template_variables))
+        except RecursionError as err:
+            raise InvalidRequest("the messages or tools are nested too deeply for the chat template to render",
                                  param="messages") from err
+        except (TemplateError, ValueError) as err:  # transformers raises ValueError when there is no template
+            raise InvalidRequest(f"the model's chat template cannot render these messages: {_short(err)}",
+                                 param="messages") from err
+        except Exception as err:
+            raise InvalidRequest(f"the model's chat template cannot render these messages: "
+                                 f"{type(err).__name__}: {_short(err)}", param="messages") from err
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:
         # The chat template already wrote any BOS it wants; plain prompts are taken as given.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _short(err: Exception, limit: int = 500) -> str:
+    """An exception's message for a client: a template's error may quote a whole (large) value."""
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def resolve_device(device: str) -> torch.device:

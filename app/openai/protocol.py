@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from app.errors import InvalidRequest
+from app.models.chat_template import RESERVED_TEMPLATE_ARGS
 from app.core.sampling import (MAX_INSPECT, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
                                resolve_sampling_params)
@@ -22,10 +23,6 @@ from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
 MAX_N = 8
 MAX_CACHE_SALT_CHARS = 256  # vLLM suggests 43 characters (256 random bits, base64)
-# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
-RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                    "add_generation_prompt", "continue_final_message", "return_dict",
-                                    "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})
 # The OpenAPI schema states the bounds SamplingParams enforces, so clients (and the fuzzer) see the real contract.
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 StopField = Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [

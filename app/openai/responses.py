@@ -42,6 +42,7 @@ class ResponsesServing:
     async def create(self, body: ResponsesRequest, request: Request):
         self.serving.check_model(body.model)
         chat = body.to_chat_request()
+        check_echo(body)  # before anything runs: afterwards, the answer would have nowhere to go
         try:
             prompt_ids = await self.serving.encode_chat(chat)
             grammar = await self.serving.grammar(chat)  # text.format json_schema, a forced tool_choice
@@ -115,7 +116,8 @@ class Answer:
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
             "store": False, "temperature": b.temperature, "top_p": b.top_p,
-            "text": {"format": (b.text or {}).get("format") or {"type": "text"}},
+            "text": {"format": b.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if b.text and b.text.format else {"type": "text"}},
             "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "truncation": "disabled",
             "metadata": b.metadata or {}, "user": (b.model_extra or {}).get("user"),
             "usage": self.usage() if done else None,
@@ -139,7 +141,7 @@ class Answer:
     def event(self, kind: str, **fields: Any) -> dict[str, str]:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return {"event": kind, "data": json.dumps(payload, ensure_ascii=False)}
+        return {"event": kind, "data": json.dumps(payload, ensure_ascii=False, allow_nan=False)}  # check_echo
 
     def start_events(self) -> list[dict[str, str]]:
         return [self.event("response.created", response=self.response("created")),
@@ -220,6 +222,20 @@ class Answer:
             events.append(self.event(done_kind, **where, content_index=0, text=part["text"], **extra))
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
         return events + [self.event("response.output_item.done", output_index=index, item=item)]
+
+
+def check_echo(body: ResponsesRequest) -> None:
+    """The response object repeats fields as the client sent them (`text`, `tools`, `metadata`...): each must be
+    strict JSON, or the answer could not be written once its generation has run (a 500), and a stream's
+    `response.created` would carry a bare `NaN`, which strict JSON parsers refuse. A 400 naming the field instead."""
+    for name, value in Answer(body, None, "", 0).response("created").items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except RecursionError as err:
+            raise InvalidRequest(f"`{name}` is nested too deeply to be repeated in the response",
+                                 param=name) from err
+        except (ValueError, TypeError) as err:  # NaN or Infinity
+            raise InvalidRequest(f"`{name}` cannot be repeated in the response as JSON: {err}", param=name) from err
 
 
 def item_id(prefix: str) -> str:

@@ -11,12 +11,13 @@ and `background` get a 400 that says so, rather than an answer that silently for
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
 from app.openai.protocol import ChatCompletionRequest
+from app.openai.responses_items import input_messages
 
 # Responses fields that pass straight through to the chat request (vLLM accepts the same extras on both APIs).
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -28,10 +29,26 @@ CHAT_TO_RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "max_completion_to
                            "response_format": "text.format"}
 
 
+class TextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON under a schema (its fields flat, unlike chat's)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # verbosity: accepted, as the model decides its own length
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # items: validated one by one (responses_items.py), so a 400 names the field
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -39,7 +56,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool | None = None
@@ -76,8 +93,8 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if self.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = self.parallel_tool_calls
-        if self.text and self.text.get("format") is not None:
-            body["response_format"] = chat_response_format(self.text["format"])
+        if self.text and self.text.format is not None:
+            body["response_format"] = chat_response_format(self.text.format)
         if self.reasoning and self.reasoning.get("effort") is not None:
             body["reasoning_effort"] = self.reasoning["effort"]
         try:
@@ -96,62 +113,7 @@ class ResponsesRequest(BaseModel):
             return messages + [{"role": "user", "content": self.input}]
         if not self.input:
             raise InvalidRequest("`input` is empty", param="input")
-        thought: str | None = None  # a reasoning item's text waits for the assistant turn it belongs to
-        for i, item in enumerate(self.input):
-            kind = item.get("type", "message" if "role" in item else None)
-            if kind == "message":
-                role = item.get("role")
-                if role not in ("user", "system", "developer", "assistant"):
-                    raise InvalidRequest(f"unknown role {role!r}", param=f"input.{i}.role")
-                message = {"role": role, "content": item_text(item.get("content"), f"input.{i}.content")}
-                if role == "assistant" and thought:
-                    message["reasoning_content"], thought = thought, None
-                messages.append(message)
-            elif kind == "function_call":
-                call = {"id": required(item, "call_id", i), "type": "function",
-                        "function": {"name": required(item, "name", i), "arguments": item.get("arguments") or "{}"}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":  # calls of one turn share one message
-                    last.setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                    if thought:
-                        messages[-1]["reasoning_content"], thought = thought, None
-            elif kind == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": required(item, "call_id", i),
-                                 "content": item_text(item.get("output"), f"input.{i}.output")})
-            elif kind == "reasoning":
-                parts = item.get("content") or item.get("summary") or []
-                thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
-            elif kind == "item_reference":
-                raise InvalidRequest("`item_reference` needs stored responses, which this server does not keep",
-                                     param=f"input.{i}")
-            else:
-                raise InvalidRequest(f"input items of type {kind!r} are not supported (message, function_call, "
-                                     "function_call_output and reasoning are)", param=f"input.{i}.type")
-        return messages
-
-
-def required(item: dict[str, Any], name: str, i: int) -> Any:
-    if not item.get(name):
-        raise InvalidRequest(f"`{name}` is required", param=f"input.{i}.{name}")
-    return item[name]
-
-
-def item_text(content: Any, param: str) -> str:
-    """A message's content: a string, or text parts (input_text, or output_text in earlier answers)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise InvalidRequest("content must be a string or a list of text parts", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise InvalidRequest(f"content parts of type {kind!r} are not supported: this model reads text only",
-                                 param=f"{param}.{j}.type")
-        texts.append(part.get("text") or "")
-    return "".join(texts)
+        return messages + input_messages(self.input)
 
 
 def chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
@@ -172,12 +134,9 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
                          param="tool_choice")
 
 
-def chat_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+def chat_response_format(fmt: TextFormat) -> dict[str, Any]:
     """`text.format` -> `response_format`: json_schema's fields sit flat in the Responses API."""
-    kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
-                                                       if fmt.get(k) is not None}}
-    raise InvalidRequest(f"text.format type {kind!r} is not supported", param="text.format.type")
+    if fmt.type in ("text", "json_object"):
+        return {"type": fmt.type}
+    return {"type": "json_schema", "json_schema": fmt.model_dump(include={"name", "schema_", "strict", "description"},
+                                                                 by_alias=True, exclude_none=True)}

@@ -1,0 +1,65 @@
+"""What a chat template reads, and which of a request's `chat_template_kwargs` reach it.
+
+`tokenizer.apply_chat_template(messages, **kwargs)` takes some names as its own arguments and hands the rest to the
+template. A request's `chat_template_kwargs` must only ever be the second kind: `{"self": 1}` was a TypeError 500,
+`sanitize_control_tokens` or `return_assistant_tokens_mask` switch transformers' own behaviour, and a name the
+template environment defines (`raise_exception`, `namespace`) would replace a function the template calls. So:
+- a name in `RESERVED_TEMPLATE_ARGS` is a 400 naming it (tests/test_transformers_contracts.py checks that the list
+  covers apply_chat_template's and its renderer's parameters in the pinned transformers);
+- of the rest, only the variables the template itself reads are passed on (jinja2's `find_undeclared_variables`
+  over the template's syntax tree, as vLLM does); any other name would have no effect on the prompt, and is left
+  out rather than handed to transformers, so that no argument a later transformers takes from `**kwargs` can be
+  set by a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jinja2
+from jinja2 import meta
+from jinja2.ext import Extension, loopcontrols
+
+log = logging.getLogger("app.models.chat_template")
+
+# apply_chat_template's and render_jinja_template's own parameters, and the functions transformers' template
+# environment provides (jinja2's defaults, raise_exception, strftime_now): the server sets them, never a request
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "sanitize_control_tokens", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs", "processor_kwargs",
+    "raise_exception", "strftime_now", *jinja2.Environment().globals})
+
+
+class _Generation(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (assistant-token masks): parsed as its body alone."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def template_variables(chat_template: str | dict[str, str] | None) -> frozenset[str] | None:
+    """The variables a chat template (or a tokenizer's named templates, all together) reads; None if it cannot be
+    parsed here, and then every name outside RESERVED_TEMPLATE_ARGS is passed on as before."""
+    if not chat_template:
+        return frozenset()
+    sources = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    env = jinja2.Environment(extensions=[loopcontrols, _Generation])
+    names: set[str] = set()
+    try:
+        for source in sources:
+            names |= meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateError as err:  # transformers renders it with its own environment: pass names on unchecked
+        log.warning("chat template not parsed for its variables (%s); chat_template_kwargs go to it unchecked", err)
+        return None
+    return frozenset(names)
+
+
+def passed_kwargs(kwargs: dict[str, Any], variables: frozenset[str] | None) -> dict[str, Any]:
+    """The kwargs to hand to apply_chat_template: the server's own (reserved names: a request's were refused where
+    it was read, app/openai/protocol.py) and those the template reads (all, if its variables are unknown)."""
+    return {k: v for k, v in kwargs.items() if variables is None or k in variables or k in RESERVED_TEMPLATE_ARGS}
