@@ -368,7 +368,7 @@ def test_server_exits_with_code_1_when_the_engine_dies(tiny_lm, monkeypatch):
     r = httpx.post(server.url + CHAT, json=chat_body(), timeout=60)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert server.exited() and server.server.exit_code == 1
-# ---- issue 13: template errors, bounded header, input limits, stop tokens, body limit, /tokenize roles ----
+# ---- template errors, bounded header, input limits, stop tokens, body limit, /tokenize roles ----
 
 def _server_with_template(tiny_lm, template):
     """A tiny-model server whose tokenizer has another chat template (None: no template at all)."""

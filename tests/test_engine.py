@@ -110,7 +110,7 @@ def long_prompts(lm, count=3):
             for i in range(count)]
 
 
-# ---- issue 13.1: prompts longer than one prefill chunk, in both modes ----
+# ---- prompts longer than one prefill chunk, in both modes ----
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-pass"])
 def test_prompts_longer_than_a_chunk_in_both_modes(tiny_lm, packed):
@@ -126,7 +126,7 @@ def test_prompts_longer_than_a_chunk_in_both_modes(tiny_lm, packed):
     assert got == [solo_tokens(tiny_lm, ids, params) for ids in prompts]
 
 
-# ---- issue 9.5: a failing forward pass fails only its requests ----
+# ---- a failing forward pass fails only its requests ----
 
 def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatch):
     """One request per pass: a kernel error in request A's pass fails A with a clean error; B, in its own
@@ -219,7 +219,7 @@ def test_failed_pass_is_rolled_back_exactly():
     assert not roll_back(cache, lengths)
 
 
-# ---- issue 13.4: the engine thread dies ----
+# ---- the engine thread dies ----
 
 def test_engine_thread_death_ends_every_request_cleanly(tiny_lm, monkeypatch):
     calls = {"n": 0}
@@ -247,7 +247,7 @@ def test_engine_thread_death_ends_every_request_cleanly(tiny_lm, monkeypatch):
     assert not alive
 
 
-# ---- issue 9.6: memory-aware admission ----
+# ---- memory-aware admission ----
 
 def test_kv_bytes_per_token_from_the_config():
     from transformers import MistralConfig, Qwen2Config, Qwen3Config
@@ -341,7 +341,7 @@ def test_kv_cache_bytes_setting_takes_units():
 @pytest.mark.real_model
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-pass"])
 def test_smollm_long_prompt_in_both_modes_equals_generate(smollm_fp32, packed):
-    """Issue 13.1's reproduction: SmolLM2 in fp32, a ~300-word prompt (several 128-token prefill chunks)."""
+    """The long-prompt reproduction: SmolLM2 in fp32, a ~300-word prompt (several 128-token prefill chunks)."""
     lm = smollm_fp32
     text = "Summarise this text. " + " ".join(f"Paris has bridge number {i} over the Seine." for i in range(40))
     ids = lm.encode_chat([{"role": "user", "content": text}])

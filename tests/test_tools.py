@@ -93,7 +93,7 @@ def test_streamed_arguments_keep_their_closing_braces():  # vLLM 22885
     assert json.loads(joined) == args and joined.endswith("]}}}")
 
 
-def test_a_call_goes_out_whole_once_its_json_is_known_good():  # issue 20: a streamed call cannot be taken back
+def test_a_call_goes_out_whole_once_its_json_is_known_good():  # a streamed call cannot be taken back
     text = call("get_weather", {"city": "Paris", "days": 3})
     parser = HermesToolParser(TOOLS)
     seen = []

@@ -1,5 +1,5 @@
 """Tool-call parsing of broken and hostile model output: a call is only a call when its JSON is valid, the parser
-never raises, and its work is linear in the output (issue 20, items 4 to 6)."""
+never raises, and its work is linear in the output."""
 
 from __future__ import annotations
 

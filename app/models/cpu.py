@@ -4,7 +4,7 @@ which int8 engine QUANT=int8 uses; never a timing (whether prepacking *pays* is 
 Three rules, all from CPU features only, so the same machine and settings load the same way on every start:
 - bf16 weights on the CPU only where the CPU has native bf16 dot products (AVX512_BF16's `vdpbf16ps`, or AMX-BF16).
   Without them a bf16 matmul converts to fp32 first: on an AVX2-only EPYC one 896x4864 linear took 54 ms in bf16
-  against 8.4 ms in fp32 at 128 rows (issue 9). With them, bf16 prepacked won at 1, 8, 32 and 128 rows here
+  against 8.4 ms in fp32 at 128 rows. With them, bf16 prepacked won at 1, 8, 32 and 128 rows here
   (docs/performance.md), so there is no row count at which fp32 would be the better default.
 - oneDNN's bf16 weight reorder (prepacking) needs AVX512BW+VL+DQ or AVX-NE-CONVERT; torch raises without them. Its
   fp32 reorder (a copy for batched rows, app/models/batch_rows.py) runs wherever oneDNN does.

@@ -7,7 +7,7 @@ took 36 ms per step plainly and 13 ms prepacked. Reordering once is what PyTorch
 vLLM's CPU backend do; we do it with the same private op inductor uses.
 
 Where it pays is measured, not assumed (PREPACK=auto, `measure_packing`): on an Intel Xeon with AMX the packed
-model was slower than the plain one (a 1,537-token prompt's first token 4.35 s against 3.81 s, issue 21), likely
+model was slower than the plain one (a 1,537-token prompt's first token 4.35 s against 3.81 s), likely
 because plain bf16 matmuls there already run on oneDNN's AMX kernels (not measured: no AMX CPU was at hand). So at
 load each distinct linear shape is timed plain and packed, on the model's own weights, at one decode row and at a
 128-row prefill chunk (interleaved rounds), and packed only where the geometric mean of its two speed-ups is at

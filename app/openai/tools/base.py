@@ -112,7 +112,7 @@ def object_members(text: str) -> dict[str, tuple[Any, str]]:
 class TagOutsideStrings:
     """Finds `tag` outside JSON strings in text that arrives piece by piece. The state (inside a string, after a
     backslash, how much of the tag is matched) carries over between pieces, so each character is looked at once
-    however the text is split: a call's body is never rescanned (issue 20: it was, on every token)."""
+    however the text is split: a call's body is never rescanned (an earlier parser rescanned it on every token)."""
 
     def __init__(self, tag: str):
         self.tag = tag
