@@ -96,24 +96,24 @@ screenshot: setup chromium
 	UPDATE_SCREENSHOT=1 $(PY) -m pytest tests/test_playground.py -k readme_picture $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m app bench generate
+	$(PY) -m benchmarks generate
 
 # Ours next to `transformers serve` (with and without continuous batching), same weights and load: ~6 minutes.
 bench-compare: setup
-	$(PY) -m app bench compare
+	$(PY) -m benchmarks compare
 
-# Perplexity and greedy agreement of bf16 and QUANT=int8 against fp32 (app/bench/quality.py): a few minutes.
+# Perplexity and greedy agreement of bf16 and QUANT=int8 against fp32 (benchmarks/quality.py): a few minutes.
 bench-quality: setup
-	$(PY) -m app bench quality
+	$(PY) -m benchmarks quality
 
-# What the prefix cache and n-gram speculation buy, through HTTP, each on and off (app/bench/shortcuts.py).
+# What the prefix cache and n-gram speculation buy, through HTTP, each on and off (benchmarks/shortcuts.py).
 bench-shortcuts: setup
-	$(PY) -m app bench shortcuts
+	$(PY) -m benchmarks shortcuts
 
 # The docs' generated tables (settings, benchmark figures) and PNG charts, from app/config.py and docs/results/*.json
 # (docs/benchmarking.md). matplotlib comes from the `docs` extra, which `make setup` installs.
 docs-figures: $(VENV)/.installed
-	$(PY) -m app docs-figures
+	$(PY) -m benchmarks docs-figures
 
 # On a CUDA machine, < 10 minutes: GPU-marked tests, bench generate, bench step (eager vs compiled + CUDA graphs against
 # the HBM floor), bench serve on the compiled step, a summary. Stops at once without CUDA.

@@ -22,11 +22,11 @@ echo "== 1/4 GPU-marked tests (limit 180 s)"
 timeout 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -5
 
 echo "== 2/4 bench generate (limit 120 s)"
-timeout 120 "$PY" -m app bench generate --model "$MODEL" --device cuda --repeats 2 --kv-streams 0 \
+timeout 120 "$PY" -m benchmarks generate --model "$MODEL" --device cuda --repeats 2 --kv-streams 0 \
     --out "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" | grep -v "Loading weights"
 
 echo "== 3/4 bench step: eager against compiled + CUDA graphs, batch 1 and 8, against the HBM floor (limit 150 s)"
-timeout 150 "$PY" -m app bench step --models "$MODEL" --device cuda --dtypes bfloat16 --batches 1,8 \
+timeout 150 "$PY" -m benchmarks step --models "$MODEL" --device cuda --dtypes bfloat16 --batches 1,8 \
     --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | grep -v "Loading weights"
 
 echo "== 4/4 bench serve on DECODE_STEP=compiled: 1 stream, then 8 (limit 200 s)"
@@ -41,7 +41,7 @@ for _ in $(seq 120); do
     sleep 1
 done
 for streams in 1 8; do
-    timeout 100 "$PY" -m app bench serve --url "http://127.0.0.1:$PORT" --model "$MODEL" --stream \
+    timeout 100 "$PY" -m benchmarks serve --url "http://127.0.0.1:$PORT" --model "$MODEL" --stream \
         --concurrency "$streams" --requests $((streams * 4)) --prompt-len 128 --max-tokens 128 \
         --out "$OUT/serve-$streams.json" > "$OUT/serve-$streams.log" 2>&1
 done

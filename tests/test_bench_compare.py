@@ -1,4 +1,4 @@
-"""`python -m app bench compare` end to end, on the tiny model saved to disk: it starts ours and
+"""`python -m benchmarks compare` end to end, on the tiny model saved to disk: it starts ours and
 `transformers serve` as real processes, drives both with the same load and prints one table with ratios.
 `--prompt-lens` (TTFT against prompt length) runs on fake servers: short scripts whose first token waits in
 proportion to the prompt, so the recorded series and the ratio to llama.cpp are known in advance."""
@@ -26,7 +26,7 @@ SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
 
 def bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k.upper() not in SETTINGS_ENV}  # no stray PORT, MODEL, ...
-    return subprocess.run([sys.executable, "-m", "app", "bench", "compare", *argv], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "benchmarks", "compare", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=600, env={**env, "PYTHONPATH": str(ROOT)})
 
 
@@ -70,7 +70,7 @@ def test_bad_arguments_are_named(tmp_path):
 def test_llamacpp_and_int8_server_commands(tmp_path):
     from argparse import Namespace
 
-    from app.bench import compare, llamacpp
+    from benchmarks import compare, llamacpp
 
     args = Namespace(device="cpu", dtype="bfloat16", concurrency=8)
     ours = compare.server_command("ours-int8", tmp_path, 8001, args)
@@ -92,7 +92,7 @@ def test_llamacpp_and_int8_server_commands(tmp_path):
 def test_llamacpp_is_skipped_with_a_message_without_cmake(tmp_path, monkeypatch, capsys):
     from argparse import Namespace
 
-    from app.bench import compare, llamacpp
+    from benchmarks import compare, llamacpp
 
     monkeypatch.setenv("MODEL_CACHE", str(tmp_path))
     monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
@@ -152,7 +152,7 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 def compare_on_fakes(tmp_path, monkeypatch, behaviour: dict[str, tuple[float, int]], *argv: str) -> tuple[dict, list]:
     """`bench compare` with each server a fake: behaviour[kind] = (seconds per prompt token, dies over N chars or
     -1). Returns the report and the prompts the servers got, in order."""
-    from app.bench import compare
+    from benchmarks import compare
 
     model = tmp_path / "model"
     model.mkdir()
@@ -175,7 +175,7 @@ def compare_on_fakes(tmp_path, monkeypatch, behaviour: dict[str, tuple[float, in
 
 
 def test_prompt_lens_record_ttft_per_server_and_length_and_compare_to_llamacpp(tmp_path, monkeypatch, capsys):
-    from app.bench import figures
+    from benchmarks import figures
 
     behaviour = {"ours": (0.0004, -1), "ours-int8": (0.0006, -1), "llama.cpp": (0.0008, -1)}
     report, sent = compare_on_fakes(tmp_path, monkeypatch, behaviour, "--prompt-lens", "256,64",
@@ -246,7 +246,7 @@ def test_a_server_crashed_at_a_prompt_length_says_so_and_is_never_compared(tmp_p
 
 
 def test_prompts_are_counted_with_the_models_tokenizer(tmp_path, tiny_tokenizer):
-    from app.bench import prompt_lengths
+    from benchmarks import prompt_lengths
 
     tiny_tokenizer.save_pretrained(tmp_path)
     count, counted_with = prompt_lengths.token_counter(tmp_path)
@@ -271,7 +271,7 @@ def test_no_scenario_repeats_a_prompt_a_server_has_already_seen(tmp_path, monkey
 
 
 def test_the_compiled_servers_settings_are_the_ones_under_which_the_compiled_step_runs(monkeypatch):
-    from app.bench import compare
+    from benchmarks import compare
     from app.config import Settings
 
     for assignment in compare.COMPILED:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from app.bench.grammar import SCHEMA, add_arguments, run, time_decode, time_engines
+from benchmarks.grammar import SCHEMA, add_arguments, run, time_decode, time_engines
 from app.core.batching import enable_packed_batching
 from app.core.constraints import Grammars
 

@@ -1,7 +1,7 @@
 """`bench compare`'s llama.cpp peer on CPUs where its build crashes, and its sdist behind any package index.
 
 No real build and no real llama.cpp here: the peer is a fake `llama-server` (a short Python script) that answers
-/health and then dies with SIGILL at its first completion, as ggml's native build did on an AMX VM (issue 21), or
+/health and then dies with SIGILL at its first completion, as ggml's native build did on an AMX VM, or
 exits 132 as a shell reports it. The index is a local HTTP server with a fake simple index (PEP 691 JSON and
 PEP 503 HTML) and a fake sdist."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import compare, llamacpp, pip_index
+from benchmarks import compare, llamacpp, pip_index
 
 from cpu_flags import PRE_AVX2_FLAGS, SAPPHIRE_RAPIDS_FLAGS, ZEN3_FLAGS, ZEN4_FLAGS
 

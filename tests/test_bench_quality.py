@@ -1,4 +1,4 @@
-"""`python -m app bench quality` end to end on the tiny model: every variant loads (fp32 reference, bf16, int8
+"""`python -m benchmarks quality` end to end on the tiny model: every variant loads (fp32 reference, bf16, int8
 dynamic, int8 weight-only), and the report holds the figures docs/performance.md quotes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from app.bench import figures, quality
+from benchmarks import figures, quality
 
 
 def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, capsys):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from app.bench.routing_policy import (HASH_BLOCK_CHARS, PrefixAware, PrefixIndex, ReplicaView, RoundRobin,
+from benchmarks.routing_policy import (HASH_BLOCK_CHARS, PrefixAware, PrefixIndex, ReplicaView, RoundRobin,
                                       block_hashes, make_trace, percentile, prompt_text)
 
 
@@ -114,7 +114,7 @@ def test_percentile_is_nearest_rank():
 @pytest.mark.server
 def test_a_short_routing_run_end_to_end(tmp_path, capsys):
     """Two real replicas of SmolLM2-135M, a 6-request trace, both policies: a JSON report and a table."""
-    from app.bench import routing
+    from benchmarks import routing
 
     parser = argparse.ArgumentParser()
     routing.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""Tests for app.bench.serve against a tiny fake OpenAI-compatible server (offline, ~1 s)."""
+"""Tests for benchmarks.serve against a tiny fake OpenAI-compatible server (offline, ~1 s)."""
 
 import argparse
 import asyncio
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.bench.serve import add_arguments, build_prompt, estimate_tokens, parse_sse_line, percentile, run
+from benchmarks.serve import add_arguments, build_prompt, estimate_tokens, parse_sse_line, percentile, run
 
 CHUNKS = 5  # content chunks per streamed reply
 TOKENS_PER_CHUNK = 2  # a chunk may hold several tokens; the bench must trust usage, not chunk counts
@@ -98,7 +98,7 @@ def fake(server):
 
 def _bench(url: str, tmp_path, *flags: str) -> dict:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)  # exercise the real CLI flags, as `python -m app bench serve` would
+    add_arguments(parser)  # exercise the real CLI flags, as `python -m benchmarks serve` would
     args = parser.parse_args(["--url", url, "--model", "fake-model", "--out", str(tmp_path / "out.json"), *flags])
     return run(args)
 

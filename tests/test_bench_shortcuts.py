@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from app.bench import shortcuts
+from benchmarks import shortcuts
 
 pytestmark = pytest.mark.server
 

@@ -1,4 +1,4 @@
-"""`python -m app bench soak` for a few seconds against the tiny model: the mixed load runs, every check passes on
+"""`python -m benchmarks soak` for a few seconds against the tiny model: the mixed load runs, every check passes on
 a healthy server, and a server that answers 500s makes it fail."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app.bench import soak
+from benchmarks import soak
 
 
 def soak_args(url: str, tmp_path, **overrides) -> argparse.Namespace:

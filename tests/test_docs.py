@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app import docs
-from app.bench import figures, record
+from benchmarks import docs
+from benchmarks import cells, record
 from app.config import DEFAULT_MODEL, Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_a_bench_envelope_names_this_machine():
     assert head["machine"]["cores"] >= 1 and head["machine"]["cpu"] and isinstance(head["machine"]["flags"], list)
     assert head["versions"]["torch"] and head["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert head["settings"] == {"servers": "ours", "dtype": "float32"} and re.fullmatch(r"\d{4}-.*Z", head["date"])
-    assert figures.ms(0.273) == "273 ms" and figures.ms(67.454) == "67,454 ms"
+    assert cells.ms(0.273) == "273 ms" and cells.ms(67.454) == "67,454 ms"
 
 
 def runnable_blocks() -> list[tuple[str, str, str]]:
@@ -208,7 +208,7 @@ def test_the_walkthroughs_commands_run_and_its_fp32_ones_print_what_the_page_sho
 
 
 def test_the_charts_are_drawn_from_the_results(tmp_path):
-    from app.bench import charts
+    from benchmarks import charts
 
     written = charts.draw_all(DOCS / "results", tmp_path)
     assert {p.name for p in written} >= {"headline.png", "shortcuts.png", "ttft-by-prompt-length.png",
@@ -217,7 +217,7 @@ def test_the_charts_are_drawn_from_the_results(tmp_path):
     assert {p.name for p in written} <= {p.name for p in (DOCS / "figures").glob("*.png")}, "commit the new charts"
 
 
-# Issue 24: every measured figure in the docs comes from a committed JSON through `make docs-figures`. A figure typed
+# Every measured figure in the docs comes from a committed JSON through `make docs-figures`. A figure typed
 # into prose drifts from the run it came from (and loses its CPU and date), so prose may repeat only a figure that a
 # generated block of the same page prints. The rule reads "a number with a unit of time, speed, size or ratio" as a
 # measurement; counts, versions, shapes (`896 x 4864`) and products (`24 × 2 × 64`) carry no such unit.
@@ -357,7 +357,7 @@ def test_the_ttft_by_prompt_length_table_renders_between_markers(ttft_results):
 
 
 def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_results, tmp_path, capsys):
-    from app.bench import charts
+    from benchmarks import charts
 
     written = charts.draw_all(ttft_results, tmp_path / "figures")
     assert [p.name for p in written] == ["ttft-by-prompt-length.png"]
@@ -368,7 +368,7 @@ def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_
 def test_the_goals_row_is_worked_out_from_the_runs_own_figures_and_names_a_crash():
     """The README's per-CPU goals: each cell a ratio of two servers' figures in one run; a crashed or absent
     server gives its reason, never a ratio."""
-    from app.bench.goal_tables import goals_table
+    from benchmarks.goal_tables import goals_table
 
     def server(rate, ttft, itl):
         return {"output_tokens_per_s": {"aggregate": rate}, "ttft_s": {"p50": ttft}, "itl_per_token_s": {"p50": itl}}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.bench import generate as bench_generate
+from benchmarks import generate as bench_generate
 from app.config import Settings
 from app.core.generate import generate
 from app.models.loading import load_model
@@ -115,7 +115,7 @@ def fake_timings(model, speedup_of):
 
 @needs_prepack
 def test_auto_packs_only_the_shapes_where_packed_measured_faster(tiny_dir, monkeypatch):
-    """As on an AMX Xeon, where plain bf16 matmuls already run on AMX and packing made the model slower (issue 21)."""
+    """As on an AMX Xeon, where plain bf16 matmuls already run on AMX and packing made the model slower."""
     import app.models.loading as loading
 
     slower_when_wide = lambda n_in, n_out: 0.8 if n_out > n_in else 1.5  # noqa: E731

@@ -241,7 +241,7 @@ def test_bench_step_prints_and_records_both_paths_against_the_memory_floor(tiny_
     import argparse
     import json
 
-    from app.bench import step as bench_step
+    from benchmarks import step as bench_step
 
     parser = argparse.ArgumentParser()
     bench_step.add_arguments(parser)

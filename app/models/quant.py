@@ -4,7 +4,7 @@ A decode step reads every weight once, so on a CPU its speed is bytes read / mem
 of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chosen by what the model runs in:
 - fp32 activations on an x86 CPU with AVX2 or better: dynamic int8, `quantized::linear_dynamic`.
   Each call quantizes its input to uint8, row by row (see DynamicInt8Linear), and multiplies int8 x uint8 with
-  int32 sums. It is the fastest here at every batch size (issue 14: 0.15 ms against fp32's 0.42 ms for one
+  int32 sums. It is the fastest here at every batch size (measured: 0.15 ms against fp32's 0.42 ms for one
   896 x 4864 row, 0.25 against 1.57 ms for 8 rows). Its engine follows the CPU (app/models/cpu.py `int8_engine`):
   oneDNN where there is AMX-INT8 (fbgemm has no AMX kernels, and torch's `x86` engine runs linears on fbgemm),
   fbgemm's AVX512-VNNI or AVX2 kernels elsewhere; should oneDNN refuse a weight, fbgemm takes it.
@@ -14,7 +14,7 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
 
 Neither is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
-top. `python -m app bench quality` measures both effects (perplexity on a fixed text and greedy agreement with the
+top. `python -m benchmarks quality` measures both effects (perplexity on a fixed text and greedy agreement with the
 unquantized model) and docs/performance.md lists the figures.
 """
 

@@ -25,7 +25,7 @@ content. We constrain only forced calls, so we hold back instead. Holding back c
 client ends up with, and a call is only actionable once complete anyway. Arguments are the model's own text for
 the arguments object (so `{}` stays `{}`, vLLM 28806, and 1.10 stays 1.10). The end of a call is found by a scan
 that knows JSON strings, so a literal `</tool_call>` inside an argument string does not end it (vLLM 45167); that
-scan keeps its state between tokens, so parsing is linear in the answer (`python -m app bench tools`). Nothing in
+scan keeps its state between tokens, so parsing is linear in the answer (`python -m benchmarks tools`). Nothing in
 the model's text can make a parser raise: every decode of it is guarded, deep nesting included.
 """
 

@@ -1,7 +1,7 @@
-"""`python -m app bench quality`: how far faster variants (bf16, int8 weights) stray from the fp32 model.
+"""`python -m benchmarks quality`: how far faster variants (bf16, int8 weights) stray from the fp32 model.
 
 Two measures, against the unquantized fp32 model as the reference:
-- perplexity on a fixed text kept in the repo (app/bench/data/quality.txt: public-domain English and some Python);
+- perplexity on a fixed text kept in the repo (benchmarks/data/quality.txt: public-domain English and some Python);
 - greedy agreement: the reference's own greedy continuation of a few prompts is fed to the variant (teacher
   forcing), which counts how often the variant's top token is the reference's; and, generating freely, how many
   tokens the variant's greedy output stays identical to the reference's.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench import record
+from benchmarks import record
 from app.config import Settings
 from app.models.loading import load_model
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_report(r: dict) -> None:
-    print(f"model {r['model']}: perplexity over {r['text_tokens']} tokens of app/bench/data/quality.txt; greedy "
+    print(f"model {r['model']}: perplexity over {r['text_tokens']} tokens of benchmarks/data/quality.txt; greedy "
           f"agreement with fp32 over {len(PROMPTS)} prompts x {r['max_tokens']} tokens")
     ref = r["variants"]["fp32 (reference)"]["perplexity"]
     print(f"{'variant':26}{'perplexity':>12}{'vs fp32':>9}{'top-1 agreement':>17}  identical greedy tokens")

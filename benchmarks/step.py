@@ -1,4 +1,4 @@
-"""`python -m app bench step`: one decode step, eager (today's packed pass) against DECODE_STEP=compiled.
+"""`python -m benchmarks step`: one decode step, eager (today's packed pass) against DECODE_STEP=compiled.
 
 For each model, dtype and batch size: B sequences are prefilled the same way twice, one set with DynamicCaches
 (the eager packed pass, `forward_many`) and one in the KV pool (app/core/static_step.py). Then rounds alternate:
@@ -98,7 +98,7 @@ def memory_floor(lm) -> dict:
     """The memory-bandwidth floor of a decode step: every weight read once per step, whatever the batch (the KV
     cache of a 128-token prompt is left out: ~1% of the default model's weights), at this device's best read
     bandwidth. tokens/s at batch B can reach at most B x bandwidth / bytes."""
-    from app.bench.generate import measure_gpu_bandwidth, measure_read_bandwidth
+    from benchmarks.generate import measure_gpu_bandwidth, measure_read_bandwidth
     from app.models.prepack import decode_bytes_per_step
 
     bandwidth = (measure_gpu_bandwidth() if lm.device.type == "cuda" else measure_read_bandwidth())["read_GBps"]
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
             del lm
             gc.collect()
     if args.out:
-        from app.bench import record
+        from benchmarks import record
 
         with open(args.out, "w") as f:
             json.dump({**record.envelope("step", args), "device": args.device, "results": results}, f, indent=2)

@@ -1,4 +1,4 @@
-"""The `goals` table kind: issue 21's side-by-side goals, one row per CPU class, each from one `bench compare` run.
+"""The `goals` table kind: the side-by-side performance goals, one row per CPU class, each from one `bench compare` run.
 
 Every cell is worked out from the run's own per-server figures (aggregate tokens/s, TTFT p50, inter-token p50),
 not typed, so the README's summary cannot drift from the JSON it names. A run that lacks a server (an older run
@@ -7,9 +7,9 @@ with no ours-compiled, a crashed llama.cpp) shows "not run" or "crashed" there, 
 
 from __future__ import annotations
 
-from app.bench.figures import DTYPES, markdown, provenance
+from benchmarks.cells import DTYPES, markdown, provenance
 
-# (column heading, the goal as the issue states it)
+# (column heading, the goal as stated)
 GOALS = [
     ("ours ÷ `transformers serve`, 1 stream", "≥ 1.2x"),
     ("ours ÷ `transformers serve --continuous-batching`, 8 streams", "≥ 1.2x"),

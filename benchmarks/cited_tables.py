@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.bench.figures import markdown, provenance
+from benchmarks.cells import markdown, provenance
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def figure(spec: dict, results: Path) -> str:

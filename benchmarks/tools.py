@@ -1,4 +1,4 @@
-"""`python -m app bench tools`: what tool-call parsing costs per token on a long call.
+"""`python -m benchmarks tools`: what tool-call parsing costs per token on a long call.
 
 An agent's "write file" call can be tens of thousands of characters, parsed token by token on the event loop, so
 the figure that matters is the worst single token (every other stream and /health wait for it), next to the

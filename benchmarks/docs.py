@@ -1,9 +1,9 @@
-"""`python -m app docs-figures` (`make docs-figures`): the generated parts of docs/, rewritten in place.
+"""`python -m benchmarks docs-figures` (`make docs-figures`): the generated parts of docs/, rewritten in place.
 
 A generated part sits between `<!-- figures:begin KIND [FILE ...] -->` and `<!-- figures:end -->` in a page; the
 text outside the markers is the authors'. KIND `settings` is the table of every field of `app.config.Settings`
 (so docs/configuration.md cannot drift from the code); the other kinds are benchmark tables made from the named
-JSON files under docs/results/ (app/bench/figures.py, run_tables.py, and cited_tables.py for tables whose cells
+JSON files under docs/results/ (benchmarks/figures.py, run_tables.py, and cited_tables.py for tables whose cells
 cite figures of several files). `--check` writes nothing and exits 1 naming each page that
 differs, which is what tests/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
 the `docs` extra).
@@ -11,24 +11,29 @@ the `docs` extra).
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import typing
 from pathlib import Path
 
 from app.config import Settings
+from app.flags import flag
+from benchmarks import charts, figures
+from benchmarks.cells import load
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MARKED = re.compile(r"(<!-- figures:begin (?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- figures:end -->)", re.S)
 
 
 def settings_table() -> str:
-    """Every Settings field: its env var, its flag, what it takes, its default and its description."""
+    """Every Settings field: its env var, its flag (as app/flags.py makes it), what it takes, its default and its
+    description."""
     rows = ["| Variable | Flag | Takes | Default | Description |", "| --- | --- | --- | --- | --- |"]
     for name, field in Settings.model_fields.items():
         description = field.description or "see [what each setting does](#what-each-setting-does)"
         description = description.replace("|", "\\|")
-        rows.append(f"| `{name.upper()}` | `--{name.replace('_', '-')}` | {takes(field.annotation)} | "
+        rows.append(f"| `{name.upper()}` | `{flag(name)}` | {takes(field.annotation)} | "
                     f"{default(field)} | {description} |")
     return "\n".join(rows)
 
@@ -61,8 +66,6 @@ def default(field) -> str:
 
 
 def generate(args: str, results: Path) -> str:
-    from app.bench import figures
-
     kind, *files = args.split()
     if kind == "settings":
         return settings_table()
@@ -70,8 +73,8 @@ def generate(args: str, results: Path) -> str:
     if kind not in tables:
         raise ValueError(f"unknown figures kind {kind!r}; pick from settings, {', '.join(tables)}")
     if kind == "cited":  # its cells read other files in the same results folder
-        return tables[kind](figures.load(results, files), results)
-    return tables[kind](figures.load(results, files))
+        return tables[kind](load(results, files), results)
+    return tables[kind](load(results, files))
 
 
 def rewrite(text: str, results: Path, links_from: str = "") -> str:
@@ -93,6 +96,14 @@ def links_from(page: Path) -> str:
     return "docs/" if page.name == "README.md" else ""
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
+
+
+def run(args: argparse.Namespace) -> int:
+    return main(["--check"] if args.check else [])
+
+
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     results, stale = DOCS / "results", []
@@ -107,8 +118,6 @@ def main(argv: list[str]) -> int:
         for page in stale:
             print(f"{page} differs from what `make docs-figures` writes", file=sys.stderr)
         return 1 if stale else 0
-    from app.bench import charts
-
     for path in charts.draw_all(results, DOCS / "figures"):
         print(f"wrote {path}")
     for page in stale:

@@ -1,6 +1,6 @@
 """Soak: a long mixed load against a running server, then checks that it held up.
 
-    python -m app bench soak --url http://127.0.0.1:8000 --model ID --minutes 30 [--server-pid PID]
+    python -m benchmarks soak --url http://127.0.0.1:8000 --model ID --minutes 30 [--server-pid PID]
 
 Each of `--concurrency` workers loops over a weighted mix: streams, non-streams, streams cancelled mid-way, clients
 that time out, malformed or invalid requests, and now and then a burst of `--burst` requests at once, past the
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import record
-from app.bench.serve import Result, _one_request, build_prompt
-from app.bench.soak_report import END_GRACE_S, KV_GAUGE, print_report
+from benchmarks import record
+from benchmarks.serve import Result, _one_request, build_prompt
+from benchmarks.soak_report import END_GRACE_S, KV_GAUGE, print_report
 from app.metrics import parse_samples
 
 RSS_GROWTH_LIMIT = 0.05

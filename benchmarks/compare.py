@@ -1,17 +1,17 @@
-"""`python -m app bench compare`: simple-serve next to `transformers serve` and llama.cpp, same weights, same load.
+"""`python -m benchmarks compare`: simple-serve next to `transformers serve` and llama.cpp, same weights, same load.
 
 It starts each server as its own process on a loopback port: ours (`python -m app serve`), ours with
 `QUANT=int8`, `transformers serve` and `transformers serve --continuous-batching`, all on the same model directory
-and dtype, and llama.cpp's `llama-server` (app/bench/llamacpp.py: built once from source) on the embedded model's
+and dtype, and llama.cpp's `llama-server` (benchmarks/llamacpp.py: built once from source) on the embedded model's
 own GGUF file, which is what our weights were dequantized from. Then it warms each
 up and runs every scenario (1 stream, then N concurrent streams) against each server in turn, round-robin,
 so a slow spell of a shared machine does not land on one server only. It prints one table with ratios to ours
 and writes all figures as JSON. docs/performance.md's comparison tables come from this command's JSON.
 
-A server whose process dies (llama.cpp's native build died with SIGILL on an AMX VM, issue 21) is marked crashed
+A server whose process dies (llama.cpp's native build died with SIGILL on an AMX VM) is marked crashed
 from then on: its column says so, it gets no ratio, and no figure of it is compared, since requests that failed
 fast would otherwise read as a win. Which llama.cpp build ran (native or portable, with its flags) is printed and
-recorded. `--prompt-lens` adds TTFT against prompt length on the same servers (app/bench/prompt_lengths.py).
+recorded. `--prompt-lens` adds TTFT against prompt length on the same servers (benchmarks/prompt_lengths.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import prompt_lengths, record, serve as bench_serve
+from benchmarks import prompt_lengths, record, serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
-from app.bench import llamacpp
-from app.bench.processes import free_port, stop
+from benchmarks import llamacpp
+from benchmarks.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
 SERVERS = ("ours", "ours-int8", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def ratios(results: dict[str, dict[str, dict]]) -> dict:
-    """The ratios the docs cite, from the unrounded figures: ours against each peer, issue 14's int8 against
+    """The ratios the docs cite, from the unrounded figures: ours against each peer, ours-int8 against
     llama.cpp, and loaded against one stream."""
     rate = lambda r: (r or {}).get("output_tokens_per_s", {}).get("aggregate")  # noqa: E731
     ttft = lambda r: (r or {}).get("ttft_s", {}).get("p50")  # noqa: E731
@@ -251,7 +251,7 @@ def print_comparison(report: dict) -> None:
             print(f"{scenario:<12}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
                   f"{'-' if ttft is None else f'{ttft * 1e3:.0f} ms':>11}"
                   f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
-    for scenario, by_server in report["results"].items():  # issue 14's goals: ours-int8 against llama.cpp
+    for scenario, by_server in report["results"].items():  # the int8 goals: ours-int8 against llama.cpp
         ours, peer = by_server.get("ours-int8"), by_server.get("llama.cpp")
         if ours and peer and ("crashed" in ours or "crashed" in peer):
             print(f"{scenario}: ours-int8 / llama.cpp: no comparison, "

@@ -1,8 +1,8 @@
-"""What `bench soak` prints: its report (app/bench/soak.py) as a few lines a person reads, one per check."""
+"""What `bench soak` prints: its report (benchmarks/soak.py) as a few lines a person reads, one per check."""
 
 from __future__ import annotations
 
-END_GRACE_S = 60.0  # how long the soak lets requests running at its deadline finish (app/bench/soak.py)
+END_GRACE_S = 60.0  # how long the soak lets requests running at its deadline finish (benchmarks/soak.py)
 KV_GAUGE = "simple_serve_kv_cache_used_bytes"
 
 

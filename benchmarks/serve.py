@@ -1,6 +1,6 @@
 """Load benchmark for any OpenAI-compatible chat server (ours, `transformers serve`, vLLM).
 
-    python -m app bench serve --url http://127.0.0.1:8000 --model ID \
+    python -m benchmarks serve --url http://127.0.0.1:8000 --model ID \
         --concurrency 8 --requests 64 --prompt-len 512 --max-tokens 128 --stream
 
 Sends M requests to POST {url}/v1/chat/completions, at most N in flight, with
@@ -333,6 +333,6 @@ def measure(args, prompts: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m app.bench.serve")
+    _parser = argparse.ArgumentParser(prog="python -m benchmarks.serve")
     add_arguments(_parser)
     run(_parser.parse_args())

@@ -1,7 +1,7 @@
 """The docs' benchmark tables and charts, made from the bench JSON kept under docs/results/.
 
 Each table kind reads one or more result files (what `bench compare`, `bench shortcuts` and `bench quality` write,
-or a transcription of an older run in the same keys) and returns markdown; `app/docs.py` puts it between the
+or a transcription of an older run in the same keys) and returns markdown; `benchmarks/docs.py` puts it between the
 markers of a docs page. A ratio is printed only where the file holds it (the benches compute ratios from unrounded
 figures, so a ratio recomputed from a rounded table could differ in its last digit). `charts` draws the PNGs with
 matplotlib, imported only there, so the tables (and the test that checks them) need no plotting library.
@@ -9,14 +9,13 @@ matplotlib, imported only there, so the tables (and the test that checks them) n
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from benchmarks import cited_tables, goal_tables, run_tables
+from benchmarks.cells import DTYPES, markdown, ms, provenance, ratio, ttft_cell
 
 SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`",
                 "ours-compiled": "simple-serve, `DECODE_STEP=compiled`",
                 "llama.cpp": "llama.cpp `llama-server`", "transformers": "`transformers serve`",
                 "transformers-cb": "`transformers serve --continuous-batching`"}
-DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 VARIANT_NAMES = {
     "fp32 (reference)": "fp32 (the reference)",
     "bf16": "bf16",
@@ -31,34 +30,6 @@ SHORTCUT_ROWS = {  # bench shortcuts' scenario -> (what the row measures, its go
     "open chat, greedy": ("open-ended chat, greedy", ">= 0.95x"),
     "open chat, model sampling": ("open-ended chat, the model's own sampling (seeded)", ">= 0.95x"),
 }
-
-
-def load(results_dir: Path, names: list[str]) -> list[tuple[str, dict]]:
-    return [(name, json.loads((results_dir / name).read_text())) for name in names]
-
-
-def run_label(report: dict) -> str:
-    machine = report.get("machine") or {}
-    return report.get("label") or f"{machine.get('cpu', '?')}, {report.get('date', '?')}"
-
-
-def provenance(runs: list[tuple[str, dict]]) -> str:
-    lines = []
-    for name, r in runs:
-        m = r.get("machine") or {}
-        cpu = m.get("cpu", "CPU not recorded") + (f", {m['cores']} cores" if m.get("cores") else "")
-        lines.append(f"[`{name}`](results/{name}): {cpu}; {r.get('date') or 'date not recorded'}; "
-                     f"source: {r.get('source', 'not recorded')}.")
-    return "\n".join(f"<sub>{line}</sub><br>" if i < len(lines) - 1 else f"<sub>{line}</sub>"
-                     for i, line in enumerate(lines))
-
-
-def ms(seconds: float | None, digits: int = 0) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:,.{digits}f} ms"
-
-
-def ratio(value: float | None, digits: int = 2) -> str:
-    return "" if value is None else f"{value:.{digits}f}x"
 
 
 def server_name(kind: str, report: dict) -> str:
@@ -95,7 +66,7 @@ def compare_table(runs: list[tuple[str, dict]]) -> str:
 
 
 def goals(runs: list[tuple[str, dict]]) -> str:
-    """Issue 14's ratios, where a run holds them: ours-int8 against llama.cpp, and ours loaded against one stream."""
+    """The goals' ratios, where a run holds them: ours-int8 against llama.cpp, and ours loaded against one stream."""
     lines = []
     for _, r in runs:
         ratios = r.get("ratios", {})
@@ -161,7 +132,7 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
 
 def ttft_by_prompt_len_table(runs: list[tuple[str, dict]]) -> str:
     """server | TTFT p50 at each prompt length (with the prompt tokens the server counted), from `bench compare
-    --prompt-lens`; then issue 21's ratio, ours ÷ llama.cpp at the largest length, where the run holds it."""
+    --prompt-lens`; then the goal's ratio, ours ÷ llama.cpp at the largest length, where the run holds it."""
     lengths = sorted({int(k) for _, r in runs for entries in r["ttft_by_prompt_len"].values() for k in entries})
     rows, lines = [], []
     for _, r in runs:
@@ -179,29 +150,11 @@ def ttft_by_prompt_len_table(runs: list[tuple[str, dict]]) -> str:
             + provenance(runs))
 
 
-def ttft_cell(entry: dict | None) -> str:
-    """A crashed server's cell says so and holds no figure, so it cannot read as a win."""
-    if not entry:
-        return "-"
-    if "crashed" in entry:
-        return "crashed"
-    p50, tokens = entry["ttft_s"]["p50"], entry.get("prompt_tokens")
-    if p50 is None:
-        return f"- ({entry['errors']['count']} errors)"
-    return ms(p50) + (f" ({tokens:,.0f})" if tokens is not None else "")
-
-
 TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts": shortcuts_table,
           "quality": quality_table, "ttft-by-prompt-length": ttft_by_prompt_len_table}
 
 
 def tables() -> dict:
-    """Every table kind: these, the other benches' (run_tables) and the cited summaries (cited_tables)."""
-    from app.bench import cited_tables, goal_tables, run_tables  # they import this module's helpers
-
+    """Every table kind: these, the other benches' (run_tables), the cited summaries (cited_tables) and the goals
+    (goal_tables)."""
     return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES, **goal_tables.TABLES}
-
-
-def markdown(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

@@ -2,7 +2,7 @@
 
 Each kind reads the keys the bench itself writes, so a fresh run's `--out` file drops into docs/results/ and its
 table follows; the older runs there are transcriptions of the README in the same keys, with only what it stated.
-Like app/bench/figures.py, a derived figure (an overhead, a ratio) is printed from the file, never recomputed from
+Like benchmarks/figures.py, a derived figure (an overhead, a ratio) is printed from the file, never recomputed from
 rounded figures.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.bench.figures import DTYPES, markdown, ms, provenance
+from benchmarks.cells import DTYPES, markdown, ms, provenance
 
-GRAMMAR_GOAL = "<= 10%"  # issue 9's bound on what a json_schema grammar may add to a decode step
+GRAMMAR_GOAL = "<= 10%"  # the bound on what a json_schema grammar may add to a decode step
 GENERATE_ROWS = {  # bench generate's contender -> its row, when the run had prepacked weights
     "ours": "our loop, prepacked weights (as served)",
     "ours_plain": "our loop, plain weights",
@@ -58,7 +58,7 @@ def generate_table(runs: list[tuple[str, dict]]) -> str:
 
 
 def soak_table(runs: list[tuple[str, dict]]) -> str:
-    """What a soak run checked and found, one row per check, in words (the run's own report, app/bench/soak.py)."""
+    """What a soak run checked and found, one row per check, in words (the run's own report, benchmarks/soak.py)."""
     rows = []
     for _, r in runs:
         rows += soak_rows(r)

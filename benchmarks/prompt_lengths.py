@@ -1,11 +1,11 @@
 """`bench compare --prompt-lens 128,512,1200`: TTFT against prompt length, on the servers the run already started.
 
-Issue 21's goal is a ~1,200-token prompt's TTFT at or under llama.cpp's; issue 24 asks for TTFT against prompt
-length as a chart. After the usual scenarios, while every server is still up (no extra start), each length is sent
+The goal is a ~1,200-token prompt's TTFT at or under llama.cpp's, and the docs chart TTFT against prompt
+length. After the usual scenarios, while every server is still up (no extra start), each length is sent
 as one stream, `--prompt-len-requests` requests of `MAX_TOKENS` tokens, round-robin over the servers like the
 scenarios, so a slow spell of a shared machine does not land on one server only. Every server gets the same texts.
 
-The prompts are the bench's passages (app/bench/serve.py), counted with the model's own tokenizer when its
+The prompts are the bench's passages (benchmarks/serve.py), counted with the model's own tokenizer when its
 directory has one (else serve.py's estimate), each opened by a tag unique to its length and request. The tag comes
 first because both prompt caches match from the start and stop at the first token that differs: ours reuses whole
 16-token blocks of an earlier prompt, llama.cpp a slot's longest common prefix. So neither can serve a prompt from
@@ -25,9 +25,9 @@ import argparse
 import subprocess
 from pathlib import Path
 
-from app.bench import serve as bench_serve
-from app.bench.figures import ms, ttft_cell
-from app.bench.llamacpp import describe_exit
+from benchmarks import serve as bench_serve
+from benchmarks.cells import ms, ttft_cell
+from benchmarks.llamacpp import describe_exit
 
 MAX_TOKENS = 8  # TTFT needs one token; a few more show the stream goes on after it
 PEER = "llama.cpp"
@@ -100,7 +100,7 @@ def ttft_p50(entry: dict | None) -> float | None:
 
 
 def vs_llamacpp(by_server: dict[str, dict[str, dict]]) -> dict:
-    """Issue 21's ratio at the largest length, from the unrounded figures: each ours* server's TTFT p50 ÷
+    """The goal's ratio at the largest length, from the unrounded figures: each ours* server's TTFT p50 ÷
     llama.cpp's, None where either has no figure (crashed, failed, or not run)."""
     largest = max(int(k) for entries in by_server.values() for k in entries)
     peer = ttft_p50(by_server.get(PEER, {}).get(str(largest)))

@@ -1,8 +1,8 @@
-"""`python -m app bench routing`: round-robin against prefix-aware routing, over N local replicas.
+"""`python -m benchmarks routing`: round-robin against prefix-aware routing, over N local replicas.
 
 This stands in for a cluster behind the Kubernetes inference gateway (docker/k8s/gateway/), which we cannot run
 here. It starts N copies of our server on loopback ports, each with its own share of the CPU, and replays one
-trace of multi-turn chats (app/bench/routing_policy.py: a few shared system prompts, follow-up turns that extend
+trace of multi-turn chats (benchmarks/routing_policy.py: a few shared system prompts, follow-up turns that extend
 earlier conversations) once per policy, with fresh replicas each time so both start from cold caches:
 
     round-robin   what a plain Kubernetes Service does
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import compare, record, serve as bench_serve
-from app.bench.processes import free_port, stop
-from app.bench.routing_policy import PrefixAware, ReplicaView, RoundRobin, make_trace, percentile
+from benchmarks import compare, record, serve as bench_serve
+from benchmarks.processes import free_port, stop
+from benchmarks.routing_policy import PrefixAware, ReplicaView, RoundRobin, make_trace, percentile
 from app.config import Settings
 from app.metrics import parse_samples
 from app.models.fetch import EMBEDDED, fetch_model

@@ -69,6 +69,6 @@ def envelope(bench: str, args: argparse.Namespace) -> dict:
     """The head of a bench's JSON; the bench adds its figures after it."""
     settings = {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in vars(args).items()
                 if not callable(v)}
-    return {"schema": SCHEMA, "bench": bench, "source": f"python -m app bench {bench}",
+    return {"schema": SCHEMA, "bench": bench, "source": f"python -m benchmarks {bench}",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": machine(), "versions": versions(), "settings": settings}

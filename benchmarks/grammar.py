@@ -1,4 +1,4 @@
-"""`python -m app bench grammar`: what structured output costs.
+"""`python -m benchmarks grammar`: what structured output costs.
 
 1) engines: xgrammar and llguidance (when installed) on this model's vocabulary: tokenizer setup, compiling a JSON
    schema, and the per-step mask (fill the bitmask + apply it to the logits) at batch 1 and 8, following a fixed
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench import record
+from benchmarks import record
 from app.config import Settings
 from app.core.batching import enable_packed_batching
 from app.core.constraints import Grammars

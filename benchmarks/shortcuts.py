@@ -1,9 +1,9 @@
-"""`python -m app bench shortcuts`: what the prefix cache and n-gram speculation buy, through HTTP, in one run.
+"""`python -m benchmarks shortcuts`: what the prefix cache and n-gram speculation buy, through HTTP, in one run.
 
 It starts our server as real processes on loopback ports (as `bench compare` does) and drives them with the
 load client of `bench serve`:
 - prefix cache: a long document (`--prefix-len` tokens) with a question, cold; then the same document with another
-  question. Time to first token of the second against the first (issue 14's goal: <= 0.15x at 2,500 tokens).
+  question. Time to first token of the second against the first (goal: <= 0.15x at 2,500 tokens).
 - speculation: two servers, `--speculative off` and `ngram`, same weights, requests round-robin: a code edit that
   copies most of its prompt (goal: >= 1.8x the decode tokens/s) and open-ended chat (goal: <= 5% slower), greedy
   and with the model's own sampling (seeded, so both servers produce the same tokens).
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import compare, record, serve as bench_serve
-from app.bench.processes import free_port, stop
+from benchmarks import compare, record, serve as bench_serve
+from benchmarks.processes import free_port, stop
 from app.config import DEFAULT_MODEL, Settings
 from app.models.fetch import EMBEDDED, fetch_model
 

@@ -1,4 +1,4 @@
-"""`python -m app bench generate`: batch-1 decode speed of our loop vs `model.generate()`, and the memory floor.
+"""`python -m benchmarks generate`: batch-1 decode speed of our loop vs `model.generate()`, and the memory floor.
 
 At batch 1 every decode step reads every weight once, so no implementation can beat
     floor tokens/s = measured memory read bandwidth / bytes read per step (weights + this request's KV cache).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench import record
+from benchmarks import record
 from app.config import Settings
 from app.core.generate import Sequence, decode_step, prefill
 from app.models.loading import load_model
