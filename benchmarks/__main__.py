@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(f"benchmarks.{module}").add_arguments(sub)
     args = parser.parse_args(argv)
     try:
-        return importlib.import_module(f"benchmarks.{COMMANDS[args.command][0]}").run(args) or 0
+        code = importlib.import_module(f"benchmarks.{COMMANDS[args.command][0]}").run(args)
+        return code if isinstance(code, int) else 0  # soak returns its exit code; some benches return their report
     except ServeError as err:
         where = f" (parameter: {err.param})" if err.param else ""
         print(f"error: {err.message}{where}", file=sys.stderr)
