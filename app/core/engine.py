@@ -34,7 +34,7 @@ import torch
 from app.errors import Overloaded, ServeError, ShuttingDown
 from app.core.batching import enable_packed_batching
 from app.core.generate import Sequence, TokenEvent, check_request
-from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle
+from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
 from app.core.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.static_step import build_decode_step
@@ -94,8 +94,7 @@ class Engine:
         self.speculative = speculative  # "ngram" | "off"
         self.decode_step = decode_step  # "eager" | "compiled" (app/core/static_step.py)
         self._abort: ServeError | None = None
-        self.max_active = max_active
-        self.max_queue = max_queue
+        self.max_active, self.max_queue = max_active, max_queue
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.metrics = metrics or Metrics()
         self.draining = False
@@ -260,6 +259,7 @@ class Engine:
                 self._admit()
                 batch = list(self._active)
             self._runner.run_step(batch)
+            del batch  # an idle engine must not keep the last step's finished sequences (and their KV) alive
             self._update_kv_in_use()
 
     def _admit(self) -> None:
@@ -316,6 +316,7 @@ class Engine:
         if not handles:
             return
         log.error("generation failed for %s: %r", [h.request_id for h in handles], err)
+        err = without_frames(err)  # the frames it passed through would keep its neighbours' caches alive
         # A ServeError is the request's own (its grammar reached a dead end, say) and says so; anything else is ours.
         error = err if isinstance(err, ServeError) else GenerationFailed(f"generation failed: {type(err).__name__}: "
                                                                          f"{err}")

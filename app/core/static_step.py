@@ -15,8 +15,10 @@ two, and marked dynamic, so one compiled graph per bucket serves every context l
 transformers' own; the pool tensors travel inside `PooledKV`, which `pooled_attention` reads.
 
 On a CPU the step is compiled with inductor; on CUDA it is compiled and then captured as CUDA graphs
-(torch.cuda.graph, one per bucket and width: `CudaGraphs`). Warm-up compiles every bucket at start, so no request waits for a compile, and
-a later new shape (a recompile) shows in `compiles`. Prefill, steps with prefill chunks, and models whose
+(torch.cuda.graph, one per bucket and width: `CudaGraphs`). Warm-up compiles every bucket at start, and on CUDA
+captures every (bucket, width) graph, so no request waits for a compile or a capture; a later new shape (a
+recompile) shows in `compiles`. When the pool runs out of blocks, a row leaves it for a DynamicCache of its own
+(`make_room`) rather than failing its pass. Prefill, steps with prefill chunks, and models whose
 attention is not full attention in every layer keep the eager path.
 
 Exactness: a compiled step is not bit-identical to the eager one (the compiler fuses and reorders float
@@ -145,11 +147,21 @@ class StaticDecodeStep:
                                   attention_mask=mask).last_hidden_state  # [B, 1, H]; a 4D mask: kept as is
         return self.head(inputs_embeds=hidden, use_cache=False).logits[:, -1].float()
 
+    def widths(self) -> list[int]:
+        """Every block-table width `run` may use: powers of two from 2, then the widest table (max_blocks)."""
+        top, sizes = max(2, self.max_blocks), [2]
+        while sizes[-1] < top:
+            sizes.append(min(top, 2 * sizes[-1]))
+        return sizes
+
     def warm_up(self) -> None:
-        """Compile every bucket now (pad rows only: nothing a request owns is touched)."""
+        """Compile every bucket now (pad rows only: nothing a request owns is touched). On CUDA, also capture
+        every (bucket, width) graph now, as vLLM captures all of its graphs at start: captured on first use, each
+        new width stalled a step in the engine thread (up to ~44 of them for 4 buckets and a 32K context)."""
         for bucket in self.buckets:
             start = time.perf_counter()
-            self._run_bucket(bucket, 2)
+            for width in self.widths() if self.graphs is not None else [2]:  # compiled: one graph for all widths
+                self._run_bucket(bucket, width)
             self.compile_seconds[bucket] = time.perf_counter() - start
         if self.compiled:
             log.info("compiled decode step: buckets %s, compile seconds %s", self.buckets,
@@ -176,6 +188,23 @@ class StaticDecodeStep:
                 except PoolExhausted:
                     return False
         return True
+
+    def make_room(self, work: Seq) -> int:
+        """Before an eager pass over (sequence, tokens it feeds) rows: each pooled row holds the blocks its new
+        tokens need, or leaves the pool for a DynamicCache of its own (a copy of its keys and values), so the pass
+        never runs out of blocks half way. A full pool failed the whole pass before (4 requests got a 500 where
+        the eager engine served them: admission reserves exact tokens, the pool rounds to blocks). Returns how
+        many rows left the pool; they may be adopted again once blocks are free."""
+        moved = 0
+        for seq, n in work:
+            if isinstance(seq.cache, PoolHandle):
+                try:
+                    seq.cache.reserve(seq.cache.get_seq_length() + n)
+                except PoolExhausted:
+                    handle, seq.cache = seq.cache, seq.cache.as_dynamic_cache(self.model.config)
+                    handle.release()
+                    moved += 1
+        return moved
 
     def run(self, seqs: Seq) -> torch.Tensor | None:
         """Each sequence feeds its newest token: float32 logits [len(seqs), vocab], or None where this step

@@ -55,6 +55,29 @@ def default_prefill_tokens_per_step(device: torch.device) -> int:
     return 128 if device.type == "cpu" else 2048
 
 
+def share_prefill(budget: int, left: list[int]) -> list[int]:
+    """How many prompt tokens each prefilling request feeds this step. `left`: each one's prompt tokens still to
+    prefill, in admission order.
+
+    Shortest first: the budget goes to the requests with the fewest tokens left, each taking all it needs, so a
+    short prompt admitted behind a long one finishes its prefill in its first step (its first token came 193 s
+    late behind a 7,188-token prompt when the oldest took the whole budget), and a burst of equal prompts still
+    goes first come, first served (the first to start has the fewest left). So that a stream of short prompts
+    cannot starve a long one, the oldest always keeps a quarter of the budget. vLLM gets the same effect with
+    `max_num_partial_prefills` and `long_prefill_token_threshold` (several prompts prefill in one step, a long
+    one in capped chunks); this rule needs no setting.
+    """
+    shares = [0] * len(left)
+    if not left:
+        return shares
+    shares[0] = min(left[0], budget // 4)  # the oldest's guarantee
+    budget -= shares[0]
+    for i in sorted(range(len(left)), key=lambda i: (left[i], i)):
+        shares[i] += (more := min(left[i] - shares[i], budget))
+        budget -= more
+    return shares
+
+
 @dataclass
 class StepRunner:
     """Runs the engine's steps. It keeps no request between steps: each step's batch comes from the engine."""
@@ -83,29 +106,26 @@ class StepRunner:
         """One engine step: the next prefill chunk of new requests (at most `prefill_tokens_per_step` prompt tokens,
         so a long prompt never stalls running streams for long) and one token for every running request, all in
         one forward pass when the model allows it."""
-        model, budget, work = self.lm.model, self.prefill_tokens_per_step, []
         if self.leader is not None:
             self.leader.begin_step(batch)
+        running = []
         for handle, seq in batch:
             if handle.cancelled.is_set():
                 continue  # dropped at the next step's start
-            if seq is None:
-                try:
-                    seq = Sequence(model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
-                                   self.lm.max_context)
-                except Exception as err:  # noqa: BLE001
-                    self.fail([handle], err)
-                    continue
-                self._reuse_prefix(handle, seq)
-                if self.speculative:
-                    seq.drafter = NgramDrafter()
-                self.started(handle, seq)
+            if seq is None and (seq := self._start(handle)) is None:
+                continue  # it failed, alone
+            running.append((handle, seq))
+        prefilling = [(handle, seq) for handle, seq in running if seq.prefilling]
+        shares = share_prefill(self.prefill_tokens_per_step,
+                               [seq.prompt_len - seq.cache.get_seq_length() for _, seq in prefilling])
+        chunks = {handle: n for (handle, _), n in zip(prefilling, shares)}
+        work = []
+        for handle, seq in running:
             drafts: list[int] = []
             if seq.prefilling:
-                n = min(budget, seq.prompt_len - seq.cache.get_seq_length())
+                n = chunks[handle]
                 if n <= 0:
                     continue  # this step's prefill budget is spent; its turn comes next step
-                budget -= n
             else:
                 try:
                     drafts = seq.drafter.propose(seq) if seq.drafter else []
@@ -123,6 +143,21 @@ class StepRunner:
                 self.emit(handle, event)
                 if event.finish_reason:  # a later turn of this conversation starts with all of it
                     self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
+
+    def _start(self, handle: RequestHandle) -> Sequence | None:
+        """A newly admitted request's Sequence, from any cached prefix of its prompt; None: it failed (a prompt the
+        model cannot take, no memory for the cached prefix's copy), and only it ends."""
+        try:
+            seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
+                           self.lm.max_context)
+            self._reuse_prefix(handle, seq)
+        except Exception as err:  # noqa: BLE001 - one request's failure is its own
+            self.fail([handle], err)
+            return None
+        if self.speculative:
+            seq.drafter = NgramDrafter()
+        self.started(handle, seq)
+        return seq
 
     def _run_pass(self, group: list[Work]) -> list[Emitted]:
         """One forward pass and the tokens it yields, or for a request that cannot go on (its grammar allows no
@@ -189,6 +224,8 @@ class StepRunner:
         if decoding:
             self.metrics.decode_steps.labels(path="eager").inc()
         if self.batch_decode:
+            if self.static_decode is not None:  # a full pool must not fail the pass: rows it cannot hold leave it
+                self.static_decode.make_room([(seq, n) for _, seq, n, _ in group])
             return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
                                 [1 + len(drafts) for *_, drafts in group])
         (_, seq, n, _), = group  # models without packed attention: one request per pass

@@ -8,6 +8,7 @@ just before running it:
     ("pass", ended, packed, rows)  ended: request keys whose caches go; packed: forward_many or the solo functions
                                    rows: (key, start, tokens, n_out, length, new) per request, in the
                                    pass's order; new: (prompt_len, size) the first time a request runs
+    ("sync",)                      the last pass raised on rank 0: every rank meets at a barrier before the next
     ("beat",)                      nothing to run; rank 0 is alive (app/models/distributed.py)
     ("stop",)                      the server is shutting down
 
@@ -19,8 +20,13 @@ which collectives they run (lm_head gathers its logits only where a token is to 
 speculation's cropped drafts (app/core/speculative.py) stay mirrored without a message of their own. The prefix
 cache is off under tensor parallelism: its blocks would have to be mirrored on every rank.
 
-Any error in a pass on rank 0 is fatal (`RankLost`): the ranks may no longer agree on what ran, so the engine
-stops, every request in flight gets a clean error, and the process exits for its supervisor to restart it.
+A pass that raises on rank 0 (an out-of-memory error from one long prompt, say) fails only its requests, as
+without tensor parallelism, if the ranks are still in step: rank 0 sends ("sync",) and waits at a barrier. A
+follower whose own pass raised too (every shard allocates the same sizes, so an out-of-memory error is usually
+every rank's) or finished it comes to the barrier; the next message's `start` cuts its caches back to rank 0's
+(rolled back, or retried in smaller groups) and `ended` drops the failed requests. A follower that does not come
+is stuck in a collective rank 0 never joined: that, and a broadcast that fails, is fatal (`RankLost`), so the
+engine stops, every request in flight gets a clean error, and the process exits for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from app.core.batching import enable_packed_batching
+from app.core.faults import roll_back
 from app.core.generate import decode_step, forward_many, prefill
 from app.models.loading import LoadedModel
 
@@ -76,10 +83,21 @@ class Leader:
         ended, self._ended = self._ended, []
         try:
             self.ranks.send(("pass", ended, self.packed, rows))
+        except Exception as err:  # noqa: BLE001 - the followers may or may not have this pass
+            raise RankLost(f"tensor parallel: a rank is gone: {_first_line(err)}") from err
+        try:
             return run(group)
-        except Exception as err:  # noqa: BLE001 - any failure here leaves the ranks out of step
-            raise RankLost(f"tensor parallel: the pass failed on rank 0 or a rank is gone: "
-                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+        except Exception as err:  # noqa: BLE001 - its requests' failure, if every rank is still in step
+            try:
+                self.ranks.sync()
+            except Exception as lost:  # noqa: BLE001 - a follower is stuck in this pass's collectives
+                raise RankLost(f"tensor parallel: the pass failed on rank 0 ({_first_line(err)}) and a rank "
+                               f"did not come back in step: {_first_line(lost)}") from err
+            raise
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 class Mirror:
@@ -101,9 +119,8 @@ class Mirror:
 
     def feed(self, start: int, tokens: list[int], length: int) -> None:
         """Take rank 0's view of this row: its cache length (cropping what rank 0 cropped) and the tokens fed."""
-        if (extra := self.cache.get_seq_length() - start) > 0:
-            self.cache.crop(-extra)
-        if self.cache.get_seq_length() != start:
+        # every layer cut back to `start`: after a pass that raised, some layers may be ahead of the others
+        if not roll_back(self.cache, [start] * len(self.cache.layers)) or self.cache.get_seq_length() != start:
             raise RuntimeError(f"out of step: this rank's cache holds {self.cache.get_seq_length()} tokens, "
                                f"rank 0's {start}")
         self.token_ids[0, start : start + len(tokens)] = torch.tensor(tokens, device=self.token_ids.device)
@@ -121,6 +138,8 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
         message = ranks.receive()
         if message[0] == "stop":
             return mirrors
+        if message[0] == "sync":  # the last pass raised on rank 0: show that this rank is not stuck in it
+            ranks.sync()
         if message[0] != "pass":
             continue  # a heartbeat
         _, ended, packed, rows = message
@@ -133,7 +152,10 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
             mirror = mirrors[key]
             mirror.feed(start, tokens, length)
             work.append((mirror, len(tokens), n_out))
-        run_pass(model, packed, work)
+        try:
+            run_pass(model, packed, work)
+        except Exception as err:  # noqa: BLE001 - rank 0's pass likely raised too; it says so with ("sync",)
+            log.warning("tensor parallel: rank %d: a pass raised: %s", ranks.rank, _first_line(err))
 
 
 def run_pass(model, packed: bool, work: list[tuple[Mirror, int, int]]) -> None:

@@ -93,14 +93,30 @@ class Ranks:
     def send(self, message: Any) -> None:
         """Rank 0: every other rank receives `message` next. Raises (and records `lost`) if the group broke."""
         with self._lock:
-            if self.lost:
-                raise ConnectionError(self.lost)
+            self._send(message)
+
+    def _send(self, message: Any) -> None:
+        if self.lost:
+            raise ConnectionError(self.lost)
+        try:
+            dist.broadcast_object_list([message], src=0, group=self._control)
+        except Exception as err:  # noqa: BLE001 - gloo names the peer that closed its connection
+            self.lost = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            raise
+        self._last_sent = time.monotonic()
+
+    def sync(self) -> None:
+        """Every rank meets here: rank 0 after a pass that raised on it (it sends ("sync",) first), each follower on
+        receiving that. A follower still inside a collective that rank 0 left never comes; past CONTROL_TIMEOUT_S
+        this raises (and records `lost`), and rank 0 knows the ranks are out of step."""
+        with self._lock:  # the heartbeat must not broadcast between the message and the barrier
+            if self.leader:
+                self._send(("sync",))
             try:
-                dist.broadcast_object_list([message], src=0, group=self._control)
-            except Exception as err:  # noqa: BLE001 - gloo names the peer that closed its connection
+                dist.monitored_barrier(group=self._control, timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+            except Exception as err:  # noqa: BLE001 - gloo names the rank that did not come
                 self.lost = f"{type(err).__name__}: {str(err).splitlines()[0]}"
                 raise
-            self._last_sent = time.monotonic()
 
     def receive(self) -> Any:
         """Ranks > 0: the next message from rank 0 (raises after CONTROL_TIMEOUT_S of silence or if it died)."""
