@@ -71,6 +71,17 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "
                                     "context left)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
+    max_json_depth: int = Field(128, ge=8, description="deepest nesting of arrays and objects in a request body "
+                                "(400 past it, before the body is parsed)")
+    max_messages: int = Field(2048, ge=1, description="messages in a request (Responses: `input` items); 400 past "
+                              "it, before validation")
+    max_content_blocks: int = Field(8192, ge=1, description="content blocks and tool calls in all of a request's "
+                                    "messages together (400 past it, before validation)")
+    max_tools: int = Field(128, ge=1, description="tools in a request (400 past it, before validation)")
+    max_preparing: int = Field(16, ge=1, description="requests being parsed, validated, templated or tokenized at "
+                               "once, queued or running (429 past it)")
+    prepare_workers: int = Field(2, ge=1, description="threads that parse, validate, template and tokenize "
+                                 "requests, apart from the event loop")
     grammar_max_depth: int = Field(32, ge=1, description="deepest nesting of subschemas in a response_format or "
                                    "tool schema (400 past it)")
     grammar_max_repeat: int = Field(1000, ge=1, description="largest repetition bound in a schema's pattern "

@@ -15,12 +15,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.models import Schema
+from fastapi.openapi.utils import validation_error_definition, validation_error_response_definition
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_path
-from app.api import WEB_DIR, public, router
+from app.api import BODY_MODELS, WEB_DIR, public, router
 from app.config import Settings
 from app.core.tensor_parallel import run_follower
 from app.errors import Overloaded, ServeError, ShuttingDown
@@ -69,6 +73,13 @@ def served_openapi(app: FastAPI, model_id: str) -> dict:
     so clients and the fuzzer (tests/test_fuzz.py) see the real contract."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
+        # The bodies the routes parse themselves (app/api.py `parsed`): their models, as FastAPI would list them.
+        _, defs = models_json_schema([(m, "validation") for m in BODY_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        defs = defs["$defs"] | {"ValidationError": validation_error_definition,
+                                "HTTPValidationError": validation_error_response_definition}
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            {name: jsonable_encoder(Schema(**d), by_alias=True, exclude_none=True) for name, d in defs.items()})
         for component in schema.get("components", {}).get("schemas", {}).values():
             model = component.get("properties", {}).get("model")
             for branch in (model.get("anyOf", [model]) if model else []):

@@ -11,6 +11,7 @@ import logging
 from functools import partial
 
 from app.auth import ApiKeys
+from app.body import BodyLimits
 from app.config import Settings
 from app.core.engine import Engine
 from app.core.schema_check import GrammarLimits
@@ -18,6 +19,7 @@ from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model
 from app.core.sampling import SamplingParams
 from app.openai.serving import CompletionServing
+from app.prepare import Preparing
 
 log = logging.getLogger("app.state")
 
@@ -32,6 +34,10 @@ class ServerState:
         self.settings = settings
         self.api_keys = ApiKeys(settings.api_key)
         self.metrics = Metrics()
+        # Parsing, validating, templating and tokenizing: off the loop, bounded (app/prepare.py, app/body.py).
+        self.preparing = Preparing(settings.max_preparing, settings.prepare_workers)
+        self.body_limits = BodyLimits(settings.max_json_depth, settings.max_messages, settings.max_content_blocks,
+                                      settings.max_tools)
         self.lm = lm
         self.engine: Engine | None = None
         self.serving: CompletionServing | None = None
@@ -62,7 +68,7 @@ class ServerState:
             if self.lm.ranks is not None:
                 self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
             self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
-                                             grammar_limits(s), s.sse_send_timeout_s)
+                                             grammar_limits(s), s.sse_send_timeout_s, self.preparing)
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"
@@ -110,5 +116,6 @@ class ServerState:
             self.engine.stop()
         if self.serving is not None:
             self.serving.grammars.close()  # its compile processes
+        self.preparing.close()
         if self.lm is not None and self.lm.ranks is not None:
             self.lm.ranks.close()  # the other ranks exit with us

@@ -70,7 +70,8 @@ class MessagesServing:
 
     async def _prompt(self, body: _Conversation) -> tuple[ChatCompletionRequest, list[int]]:
         self.serving.check_model(body.model)
-        chat = body.to_chat_request(reasons=self.serving.reasoning is not None)
+        # validates the chat request: on a prepare worker, not on the loop
+        chat = await self.serving.preparing.run(body.to_chat_request, self.serving.reasoning is not None)
         try:
             return chat, await self.serving.encode_chat(chat, continue_final=body.prefill)
         except InvalidRequest as err:

@@ -41,7 +41,7 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, request: Request):
         self.serving.check_model(body.model)
-        chat = body.to_chat_request()
+        chat = await self.serving.preparing.run(body.to_chat_request)  # validates the chat request: not on the loop
         check_echo(body)  # before anything runs: afterwards, the answer would have nowhere to go
         try:
             prompt_ids = await self.serving.encode_chat(chat)

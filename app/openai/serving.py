@@ -30,6 +30,7 @@ from app.openai.reasoning import ReasoningSplitter, reasoning_format
 from app.openai.sse import event_stream
 from app.openai.structured import forced_tool_tag, response_schema
 from app.openai.tools import make_parser, tool_format
+from app.prepare import Preparing
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.openai.serving")
@@ -42,10 +43,10 @@ def error_body(err: ServeError) -> dict[str, Any]:
 
 class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
-                 grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None):
-        self.engine = engine
+                 grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
+                 preparing: Preparing | None = None):
+        self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
-        self.lm = lm
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
         # stable across restarts (str hash() is salted per process): changes only with the model and dtype
@@ -75,14 +76,14 @@ class CompletionServing:
         prompt_ids = await self.encode_text(body.prompt_text())
         return await self._serve(body, request, prompt_ids, chat=False)
 
-    # The template and the tokenizer take seconds on a 1 MiB body: in a thread, so streams and probes keep going.
+    # The template and the tokenizer take seconds on a 1 MiB body: on a prepare worker, counted (app/prepare.py).
     async def encode_messages(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                               tools: list[dict[str, Any]] | None = None,
                               add_generation_prompt: bool = True) -> list[int]:
-        return await asyncio.to_thread(self.lm.encode_chat, messages, template_kwargs, tools, add_generation_prompt)
+        return await self.preparing.run(self.lm.encode_chat, messages, template_kwargs, tools, add_generation_prompt)
 
     async def encode_text(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.lm.encode_text, text)
+        return await self.preparing.run(self.lm.encode_text, text)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
