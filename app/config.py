@@ -85,12 +85,26 @@ class Settings(BaseSettings):
     grammar_max_depth: int = Field(32, ge=1, description="deepest nesting of subschemas in a response_format or "
                                    "tool schema (400 past it)")
     grammar_max_repeat: int = Field(1000, ge=1, description="largest repetition bound in a schema's pattern "
-                                    "(nested bounds multiplied) or minItems/maxItems (400 past it)")
+                                    "(nested bounds multiplied, sequential ones added) or minItems/maxItems (400 "
+                                    "past it)")
+    grammar_max_total_repeat: int = Field(4000, ge=1, description="repetition bounds of every pattern and "
+                                          "minItems/maxItems of a request's schemas, added up (400 past it)")
+    grammar_max_enum_values: int = Field(1000, ge=1, description="enum values in a request's schemas, added up "
+                                         "(400 past it)")
+    grammar_max_literal_bytes: int = Field(32768, ge=1, description="bytes of the enum and const values of a "
+                                           "request's schemas, as JSON (400 past it)")
     grammar_compile_timeout_s: float = Field(10.0, gt=0, description="a grammar compile running longer is stopped "
                                              "(400)")
     grammar_compile_workers: int = Field(1, ge=1, description="processes compiling grammars, apart from "
                                          "tokenization and generation")
     grammar_compile_queue: int = Field(8, ge=0, description="grammar compiles waiting for a worker (429 past it)")
+    grammar_compile_per_client: int = Field(2, ge=1, description="grammar compiles one client may have running or "
+                                            "waiting (429 past it); clients are served in turn")
+    grammar_client_header: str | None = Field(None, description="request header that names the client for "
+                                              "GRAMMAR_COMPILE_PER_CLIENT, set by a trusted proxy in front "
+                                              "(default: the peer address, and the API key presented)")
+    grammar_compile_memory_bytes: int = Field(2**30, ge=2**28, description="memory a grammar compile may add to "
+                                              "its worker process; suffixes as KV_CACHE_BYTES (400 past it)")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
     sse_send_timeout_s: float = Field(30.0, gt=0, description="a stream whose client accepts no event or ping for "
@@ -106,7 +120,7 @@ class Settings(BaseSettings):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
 
-    @field_validator("kv_cache_bytes", "prefix_cache_bytes", mode="before")
+    @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", mode="before")
     @classmethod
     def _parse_bytes(cls, value: object) -> object:
         # KV_CACHE_BYTES=8GiB reads better than 8589934592.

@@ -25,8 +25,11 @@ log = logging.getLogger("app.state")
 
 
 def grammar_limits(s: Settings) -> GrammarLimits:
-    return GrammarLimits(s.grammar_max_depth, s.grammar_max_repeat, s.grammar_compile_timeout_s,
-                         s.grammar_compile_workers, s.grammar_compile_queue)
+    return GrammarLimits(max_depth=s.grammar_max_depth, max_repeat=s.grammar_max_repeat,
+                         max_total_repeat=s.grammar_max_total_repeat, max_enum_values=s.grammar_max_enum_values,
+                         max_literal_bytes=s.grammar_max_literal_bytes, compile_timeout_s=s.grammar_compile_timeout_s,
+                         workers=s.grammar_compile_workers, queue=s.grammar_compile_queue,
+                         per_client=s.grammar_compile_per_client, memory_bytes=s.grammar_compile_memory_bytes)
 
 
 class ServerState:
@@ -68,7 +71,8 @@ class ServerState:
             if self.lm.ranks is not None:
                 self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
             self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
-                                             grammar_limits(s), s.sse_send_timeout_s, self.preparing)
+                                             grammar_limits(s), s.sse_send_timeout_s, self.preparing,
+                                             s.grammar_client_header)
             await self._warm_up()
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"

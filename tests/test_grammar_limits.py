@@ -29,9 +29,10 @@ def nested_arrays(depth: int) -> dict:
 
 @pytest.mark.parametrize("pattern, repeat", [
     ("abc", 1), ("a{0,50}", 50), ("(a|b){0,5000}", 5000), ("((a{0,30}){0,30}){0,30}", 27000), ("a{7}", 7),
-    ("a{3,}", 3), ("[{0,99}]x", 1), ("\\{0,99}", 1), ("\\\\{0,99}", 99), ("(ab)*c+", 1), ("(a{0,10})(b{0,20})", 20),
+    ("a{3,}", 3), ("[{0,99}]x", 1), ("\\{0,99}", 1), ("\\\\{0,99}", 99), ("(ab)*c+", 1), ("(a{0,10})(b{0,20})", 30),
+    ("[a-z]{0,1000}" * 200, 200_000), ("(a{0,5}|b{0,5}){0,10}", 100),
 ])
-def test_pattern_repeat_multiplies_nested_bounds(pattern, repeat):
+def test_pattern_repeat_multiplies_nested_bounds_and_adds_sequential_ones(pattern, repeat):
     assert pattern_repeat(pattern) == repeat
 
 
@@ -198,7 +199,7 @@ def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny
         return real(self, request, timeout_s)
 
     monkeypatch.setattr(CompilePool, "compile", slow_compile)
-    grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids, limits=GrammarLimits(queue=1))
+    grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids, limits=GrammarLimits(queue=1, per_client=8))
 
     async def scenario():
         same = {"type": "object", "properties": {"a": {"type": "integer"}}}

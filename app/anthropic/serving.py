@@ -53,7 +53,7 @@ class MessagesServing:
     async def create(self, body: MessagesRequest, request: Request):
         chat, prompt_ids = await self._prompt(body)
         try:
-            grammar = await self.serving.grammar(chat)  # a forced tool_choice
+            grammar = await self.serving.grammar(chat, request)  # a forced tool_choice
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:
             raise renamed(err)

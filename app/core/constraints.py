@@ -4,7 +4,8 @@ The grammar engine is xgrammar (chosen over llguidance by measurement on Qwen's 
 in docs/tools-and-structured-outputs.md). `Grammars` compiles a JSON schema or a structural tag once per distinct
 spec (an LRU cache) against this model's tokenizer, in a worker process with a deadline
 (app/core/grammar_compile.py), once app/core/schema_check.py has refused what it would not enforce or what costs
-too much to compile.
+too much to compile. Compiles are queued per client and served in turn (app/core/fair_queue.py), with at most
+`GrammarLimits.per_client` of one client's running or waiting, so one client's costly schemas delay only its own.
 `Grammar.matcher()` gives each sequence its own `GrammarMatcher`, which every step:
   1) writes the allowed tokens into a bitmask (one bit per token id) and applies it to that row's logits;
   2) after the token is chosen, advances its state with it.
@@ -26,13 +27,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
-from app.core.grammar_compile import CompileFailed, CompilePool, CompileTimeout
+from app.core.fair_queue import FairQueue
+from app.core.grammar_compile import CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout
 from app.core.schema_check import GrammarLimits, check_schema
 from app.errors import InvalidRequest, Overloaded
 
@@ -125,8 +127,9 @@ class Grammars:
         self.limits = limits
         self._info = None  # xgrammar.TokenizerInfo, built on first use
         self._workers: CompilePool | None = None
-        self._threads = ThreadPoolExecutor(limits.workers, thread_name_prefix="grammar")
+        self._threads = FairQueue(limits.workers, name="grammar")
         self._compiling: dict[tuple[str, str], Future] = {}  # (spec, param) -> its compile, until it is done
+        self._per_client: dict[str, int] = {}  # client -> its compiles running or waiting
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -140,13 +143,18 @@ class Grammars:
         schemas inside it are checked by whoever builds it (app/openai/structured.py)."""
         return self._compile("structural_tag", tag, param)
 
-    async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format") -> Grammar:
-        return await self._compile_async("json_schema", schema, param, check=True)
+    # `client`: whose compile this is (the HTTP layer decides what a client is); compiles are bounded and served
+    # in turn per client.
+    async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format",
+                                client: str = "") -> Grammar:
+        return await self._compile_async("json_schema", schema, param, check=True, client=client)
 
-    async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice") -> Grammar:
-        return await self._compile_async("structural_tag", tag, param, check=False)
+    async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice",
+                                   client: str = "") -> Grammar:
+        return await self._compile_async("structural_tag", tag, param, check=False, client=client)
 
-    async def _compile_async(self, kind: str, spec: dict[str, Any], param: str, check: bool) -> Grammar:
+    async def _compile_async(self, kind: str, spec: dict[str, Any], param: str, check: bool,
+                             client: str = "") -> Grammar:
         def lookup() -> tuple[str, Grammar | None]:  # a walk over the schema: cheap, but not for the event loop
             if check:
                 check_schema(spec, param, limits=self.limits)
@@ -159,18 +167,24 @@ class Grammars:
         with self._lock:
             future = self._compiling.get((key, param))  # the same spec asked for again while it compiles: share it
             if future is None:
+                if (mine := self._per_client.get(client, 0)) >= self.limits.per_client:
+                    raise Overloaded(f"{mine} of your grammars are compiling or waiting to; retry when they are "
+                                     "done (GRAMMAR_COMPILE_PER_CLIENT)", retry_after_s=2)
                 if len(self._compiling) >= self.limits.workers + self.limits.queue:
                     raise Overloaded(f"{len(self._compiling)} grammars are compiling or waiting to; retry shortly "
                                      "(GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
-                future = self._threads.submit(self._compile, kind, spec, param, key)
+                future = self._threads.submit(client, self._compile, kind, spec, param, key)
                 self._compiling[(key, param)] = future
-                future.add_done_callback(lambda _: self._compile_done((key, param)))
+                self._per_client[client] = mine + 1
+                future.add_done_callback(lambda _: self._compile_done((key, param), client))
         # shield: a caller that leaves must not cancel a compile that others wait for, or that will be cached
         return await asyncio.shield(asyncio.wrap_future(future))
 
-    def _compile_done(self, entry: tuple[str, str]) -> None:
+    def _compile_done(self, entry: tuple[str, str], client: str) -> None:
         with self._lock:
             self._compiling.pop(entry, None)
+            if (left := self._per_client.pop(client, 0) - 1) > 0:
+                self._per_client[client] = left
 
     @staticmethod
     def _key(kind: str, spec: dict[str, Any]) -> str:
@@ -195,7 +209,8 @@ class Grammars:
             if self._workers is None:
                 self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                 stop_token_ids=self.stop_ids)
-                self._workers = CompilePool(self._info.serialize_json(), self.limits.workers)
+                self._workers = CompilePool(self._info.serialize_json(), self.limits.workers,
+                                            self.limits.memory_bytes)
         request = {"kind": kind, "spec": key.split(":", 1)[1], "max_whitespace": MAX_WHITESPACE}
         what = kind.replace("_", " ")
         try:
@@ -205,6 +220,10 @@ class Grammars:
             raise InvalidRequest(f"the {what} in `{param}` took longer than {self.limits.compile_timeout_s:g} s to "
                                  "compile and was stopped; simplify it (GRAMMAR_COMPILE_TIMEOUT_S)", param=param,
                                  code="grammar_too_complex") from None
+        except CompileOutOfMemory:
+            raise InvalidRequest(f"the {what} in `{param}` needed more than {self.limits.memory_bytes / 2**20:,.0f} "
+                                 "MiB to compile and was stopped; simplify it (GRAMMAR_COMPILE_MEMORY_BYTES)",
+                                 param=param, code="grammar_too_complex") from None
         except CompileFailed as err:
             raise InvalidRequest(f"cannot build a grammar from the {what} in `{param}`: {library_message(err)}",
                                  param=param) from None
@@ -218,7 +237,7 @@ class Grammars:
         return grammar
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown()
         if self._workers is not None:
             self._workers.close()
 

@@ -7,6 +7,10 @@ xgrammar's compile time has no static bound worth the name. Measured here on Qwe
 (deep nesting, large repetition bounds) before any compile; this module bounds the rest in time. A thread cannot
 be stopped, but a process can: each compile runs in a child process that holds the tokenizer's tables, and past
 the deadline the child is killed (a new one starts for the next compile) and the caller gets `CompileTimeout`.
+Memory is bounded too: once its tables are loaded, the child caps its own address space (RLIMIT_AS) at what it
+holds plus `memory_bytes`, so a compile that would grow past that (an enum of 20,000 strings took 1.9 GiB) fails
+its allocation instead of pressing on the server; the child then exits, a new one takes the next compile, and the
+caller gets `CompileOutOfMemory`.
 
 The children are plain `python -m app.core.grammar_compile` processes that speak length-prefixed frames over their
 stdin and stdout: the serialized `TokenizerInfo` once, then one request and one answer per compile. A compiled
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import queue
 import struct
 import subprocess
@@ -26,8 +31,9 @@ import weakref
 from typing import BinaryIO
 
 _HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
-OK, FAILED = b"\x00", b"\x01"
+OK, FAILED, OUT_OF_MEMORY = b"\x00", b"\x01", b"\x02"
 NICENESS = 10  # added to the worker's nice value
+MEMORY_BYTES = 2**30  # address space a compile may add to what a ready worker holds
 
 
 class CompileTimeout(Exception):
@@ -36,6 +42,10 @@ class CompileTimeout(Exception):
 
 class CompileFailed(Exception):
     """The grammar library refused the spec; the message is the library's own."""
+
+
+class CompileOutOfMemory(Exception):
+    """The compile needed more than its worker's memory limit; the worker was replaced."""
 
 
 def read_frame(stream: BinaryIO) -> bytes | None:
@@ -55,14 +65,17 @@ def write_frame(stream: BinaryIO, data: bytes) -> None:
 class CompileWorker:
     """One child process; one compile at a time (the pool hands each worker to one thread at a time)."""
 
-    def __init__(self, tokenizer_info_json: str):
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int = MEMORY_BYTES):
         self._info = tokenizer_info_json.encode()
+        self._memory_bytes = memory_bytes
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1")  # the child imports torch (through xgrammar): keep it small
-        proc = subprocess.Popen([sys.executable, "-m", "app.core.grammar_compile"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env)
+        # The child imports torch (through xgrammar): keep its threads few. Few malloc arenas, too: each reserves
+        # 64 MiB of address space, which the memory limit counts.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+        proc = subprocess.Popen([sys.executable, "-m", "app.core.grammar_compile", str(self._memory_bytes)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         # A worker lives no longer than this object: a Grammars dropped without close() (a test's, say) would
         # otherwise leave its ~300 MB process idle until this whole process exits and closes its stdin.
         weakref.finalize(self, _kill, proc)
@@ -73,11 +86,13 @@ class CompileWorker:
         return proc
 
     def compile(self, request: dict, timeout_s: float) -> str:
-        """The serialized CompiledGrammar; CompileFailed for a refused spec, CompileTimeout past the deadline."""
+        """The serialized CompiledGrammar; CompileFailed for a refused spec, CompileTimeout past the deadline,
+        CompileOutOfMemory past the memory limit."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()  # not counted in the deadline: that is the compile's own time
         proc = self._proc
-        timer = threading.Timer(timeout_s, proc.kill)
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), proc.kill()))
         timer.start()
         try:
             write_frame(proc.stdin, json.dumps(request).encode())
@@ -86,11 +101,13 @@ class CompileWorker:
             answer = None
         finally:
             timer.cancel()
-        if answer is None:  # killed at the deadline (or died): the next compile starts a new worker
+        if answer is None or answer[:1] == OUT_OF_MEMORY:  # the next compile starts a new worker
             proc.kill()
             proc.wait()
             self._proc = None
-            raise CompileTimeout()
+            # a child that died before its deadline ran out of memory where the library could not say so (an
+            # allocation failing in a thread of its own aborts the process)
+            raise CompileTimeout() if expired.is_set() else CompileOutOfMemory()
         if answer[:1] == FAILED:
             raise CompileFailed(answer[1:].decode(errors="replace"))
         return answer[1:].decode()
@@ -109,9 +126,9 @@ def _kill(proc: subprocess.Popen) -> None:
 class CompilePool:
     """`workers` child processes, started on first use; `compile` blocks until one is free and has answered."""
 
-    def __init__(self, tokenizer_info_json: str, workers: int):
+    def __init__(self, tokenizer_info_json: str, workers: int, memory_bytes: int = MEMORY_BYTES):
         self._idle: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
-        self._workers = [CompileWorker(tokenizer_info_json) for _ in range(workers)]
+        self._workers = [CompileWorker(tokenizer_info_json, memory_bytes) for _ in range(workers)]
         for worker in self._workers:
             self._idle.put(worker)
 
@@ -127,7 +144,14 @@ class CompilePool:
             worker.close()
 
 
-def _serve() -> None:
+def _limit_memory(extra_bytes: int) -> None:
+    """Cap this process's address space at what it holds now plus `extra_bytes`."""
+    with open("/proc/self/statm") as statm:
+        held = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (held + extra_bytes, resource.RLIM_INFINITY))
+
+
+def _serve(memory_bytes: int) -> None:
     """The child: load the tokenizer's tables, then compile what arrives until stdin closes."""
     out = os.fdopen(os.dup(1), "wb")  # frames only: anything a library prints goes to stderr instead
     os.dup2(2, 1)
@@ -138,6 +162,7 @@ def _serve() -> None:
 
     info = xgr.TokenizerInfo.deserialize_json(read_frame(inp).decode())
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the parent caches, with a bound
+    _limit_memory(memory_bytes)
     write_frame(out, OK)
     while (frame := read_frame(inp)) is not None:
         request = json.loads(frame)
@@ -149,8 +174,13 @@ def _serve() -> None:
                 compiled = compiler.compile_structural_tag(request["spec"])
             write_frame(out, OK + compiled.serialize_json().encode())
         except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for specs it refuses
+            # xgrammar reports a failed allocation as a RuntimeError saying std::bad_alloc; the heap may be left in
+            # pieces, so answer and let a fresh worker take the next compile
+            if isinstance(err, MemoryError) or "bad_alloc" in str(err):
+                write_frame(out, OUT_OF_MEMORY)
+                return
             write_frame(out, FAILED + str(err).encode())
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else MEMORY_BYTES)

@@ -45,7 +45,7 @@ class ResponsesServing:
         check_echo(body)  # before anything runs: afterwards, the answer would have nowhere to go
         try:
             prompt_ids = await self.serving.encode_chat(chat)
-            grammar = await self.serving.grammar(chat)  # text.format json_schema, a forced tool_choice
+            grammar = await self.serving.grammar(chat, request)  # text.format json_schema, a forced tool_choice
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent
             err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)

@@ -28,7 +28,7 @@ from app.core.constraints import Grammar, Grammars
 from app.core.schema_check import GrammarLimits
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
 from app.openai.sse import event_stream
-from app.openai.structured import forced_tool_tag, response_schema
+from app.openai.structured import compile_client, request_grammar
 from app.openai.tools import make_parser, tool_format
 from app.prepare import Preparing
 from app.core.sampling import SamplingParams
@@ -44,7 +44,7 @@ def error_body(err: ServeError) -> dict[str, Any]:
 class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
-                 preparing: Preparing | None = None):
+                 preparing: Preparing | None = None, grammar_client_header: str | None = None):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
         self.model_id = model_id
@@ -54,6 +54,7 @@ class CompletionServing:
         self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
         self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
+        self.grammar_client_header = grammar_client_header  # see compile_client
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -89,16 +90,11 @@ class CompletionServing:
         if model != self.model_id:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
-    async def grammar(self, body: ChatCompletionRequest) -> Grammar | None:
+    async def grammar(self, body: ChatCompletionRequest, request: Request | None = None) -> Grammar | None:
         """The compiled constraint a chat request asks for, if any: compiled in a worker process with a deadline
         (tens of ms for a typical new schema, a dict lookup for a cached one), never on the event loop."""
-        if body.forced_tools:
-            tag = await asyncio.to_thread(forced_tool_tag, self.tool_format, body.forced_tools,
-                                          body.parallel_tool_calls, self.grammars.limits)
-            return await self.grammars.structural_tag_async(tag)
-        if body.json_format:
-            return await self.grammars.json_schema_async(response_schema(body.response_format))
-        return None
+        client = compile_client(request, self.grammar_client_header)
+        return await request_grammar(self.grammars, body, self.tool_format, client)
 
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
               grammar: Grammar | None = None) -> tuple[list[Choice], dict]:
@@ -120,7 +116,7 @@ class CompletionServing:
         return choices, headers
 
     async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
-        grammar = await self.grammar(body) if chat else None
+        grammar = await self.grammar(body, request) if chat else None
         choices, headers = self.start(body, request, prompt_ids, chat, grammar)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         response_id = new_id(kind[0])
