@@ -20,8 +20,8 @@ from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  default_sampling)
-from app.openai.responses import ResponsesServing
-from app.openai.responses_protocol import ResponsesRequest
+from app.openai.responses.serving import ResponsesServing
+from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
 from app.prepare import client_left
 from app.state import ServerState

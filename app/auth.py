@@ -4,7 +4,7 @@
 under a secret drawn at start, and a presented key is compared digest to digest in constant time, so neither
 a timing nor this object in a memory dump gives a key away. The digest is also the key's tenant id: with
 `PREFIX_CACHE_PER_KEY`, requests under one key reuse only prefix-cache entries made under the same key
-(app/core/prefix_cache.py), so one tenant cannot probe another's prompts through `cached_tokens`. The id means
+(app/core/engine/prefix_cache.py), so one tenant cannot probe another's prompts through `cached_tokens`. The id means
 nothing outside this process and changes at each start, as the cache itself does.
 """
 

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_path
 from app.api import BODY_MODELS, WEB_DIR, public, router
 from app.config import Settings
-from app.core.tensor_parallel import run_follower
+from app.core.engine.tensor_parallel import run_follower
 from app.errors import Overloaded, ServeError, ShuttingDown
 from app.logs import LogFormatter, escape_controls
 from app.models.distributed import launched_rank

@@ -13,8 +13,8 @@ from functools import partial
 from app.auth import ApiKeys
 from app.body import BodyLimits
 from app.config import Settings
-from app.core.engine import Engine
-from app.core.schema_check import GrammarLimits
+from app.core.engine.engine import Engine
+from app.core.structured.schema_check import GrammarLimits
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model
 from app.core.sampling import SamplingParams

@@ -33,7 +33,7 @@ from benchmarks.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
 SERVERS = ("ours", "ours-int8", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
-# Inductor does not compile bf16 prepacked linears (app/core/static_step.py), so the compiled server runs unpacked;
+# Inductor does not compile bf16 prepacked linears (app/core/runner/static_step.py), so the compiled server runs unpacked;
 # everything else (prefix cache, speculation) as ours.
 COMPILED = ("DECODE_STEP=compiled", "PREPACK=false")
 

@@ -20,8 +20,8 @@ import torch
 
 from benchmarks import record
 from app.config import Settings
-from app.core.batching import enable_packed_batching
-from app.core.constraints import Grammars
+from app.core.runner.packed import enable_packed_batching
+from app.core.structured.grammars import Grammars
 from app.core.generate import Sequence, choose_many, forward_many
 from app.core.sampling import SamplingParams
 from app.models.loading import load_model

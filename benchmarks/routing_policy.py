@@ -14,7 +14,7 @@ and the highest total wins (`max-score-picker`). Ties go to the replica running 
 random choice. (Running requests are only a tie-break, as in the picker: our server batches up to MAX_ACTIVE
 requests, so a running request slows the others a little, while a waiting one delays the next by a whole turn.)
 
-What the prefix index approximates: the replica's prefix cache (app/core/prefix_cache.py), which it cannot see.
+What the prefix index approximates: the replica's prefix cache (app/core/engine/prefix_cache.py), which it cannot see.
 It assumes that (1) a prompt sent to a replica is cached there until the replica has been sent `capacity` newer
 blocks (an LRU per replica sized like the server's prefix cache), (2) a 64-character block is about one 16-token
 cache block, and (3) a shared text prefix is a shared token prefix. All three fail at the edges (evictions forced

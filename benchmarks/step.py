@@ -1,7 +1,7 @@
 """`python -m benchmarks step`: one decode step, eager (today's packed pass) against DECODE_STEP=compiled.
 
 For each model, dtype and batch size: B sequences are prefilled the same way twice, one set with DynamicCaches
-(the eager packed pass, `forward_many`) and one in the KV pool (app/core/static_step.py). Then rounds alternate:
+(the eager packed pass, `forward_many`) and one in the KV pool (app/core/runner/static_step.py). Then rounds alternate:
 `--steps` eager steps, then `--steps` compiled steps, so a neighbour's load on a shared machine hits both alike;
 the median time per step of each is reported, with each bucket's compile time and how many greedy tokens the two
 paths agreed on. Only the forward pass is timed (choosing tokens is the same code for both).
@@ -19,11 +19,11 @@ import time
 import torch
 
 from app.config import Settings
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, forward_many, prefill
-from app.core.kv_pool import KVPool
+from app.core.runner.kv_pool import KVPool
 from app.core.sampling import SamplingParams
-from app.core.static_step import StaticDecodeStep
+from app.core.runner.static_step import StaticDecodeStep
 from app.models.loading import load_model
 
 TEXT = "The capital of France is Paris, a city on the Seine known for its museums, cafes and long history. "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from app.core.engine import Engine
+from app.core.engine.engine import Engine
 from app.core.sampling import SamplingParams
 
 

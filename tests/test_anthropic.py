@@ -219,7 +219,7 @@ def test_errors_are_anthropic_shaped(make_tiny_server):
 
 
 def test_failure_mid_stream_is_an_error_event(make_tiny_server, monkeypatch):
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     server = make_tiny_server()
     calls = {"n": 0}

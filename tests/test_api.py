@@ -150,7 +150,7 @@ def test_body_limit_and_cors(make_tiny_server):
 
 
 def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     monkeypatch.setattr(step_module, "forward_many", lambda *args: (time.sleep(0.02), real(*args))[1])
@@ -168,7 +168,7 @@ def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
 
 def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkeypatch):
     server = make_tiny_server()
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     calls = {"n": 0}
     real = step_module.forward_many
@@ -216,7 +216,7 @@ def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeyp
     engine's reservations return to 0."""
     import torch
 
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     poison = "poisoned request"
@@ -246,7 +246,7 @@ def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeyp
 
 
 def test_dead_engine_fails_requests_and_probes(make_tiny_server, monkeypatch):
-    from app.core.engine import Engine
+    from app.core.engine.engine import Engine
 
     server = make_tiny_server()
 
@@ -283,7 +283,7 @@ def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellat
     client cancellation. The same for a non-streamed request."""
     import torch
 
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real, calls = step_module.forward_many, {"n": 0}
 
@@ -343,7 +343,7 @@ def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, 
     (not a cut connection), and the server exits."""
     import signal
 
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     monkeypatch.setattr(step_module, "forward_many", lambda *args: (time.sleep(0.05), real(*args))[1])
@@ -361,7 +361,7 @@ def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, 
 
 
 def test_server_exits_with_code_1_when_the_engine_dies(tiny_lm, monkeypatch):
-    from app.core.engine import Engine
+    from app.core.engine.engine import Engine
 
     server = GracefulThreadServer(tiny_lm)
     monkeypatch.setattr(Engine, "_emit", lambda self, handle, event: 1 / 0)
@@ -557,7 +557,7 @@ def test_tokenize_maps_developer_to_system_like_chat(make_tiny_server):
 def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_server, monkeypatch, caplog):
     import gc
 
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])

@@ -83,7 +83,7 @@ def test_a_packed_kernel_that_is_off_leaves_the_model_plain_and_working(tiny_dir
     assert not any(swapped(lm.model).values())
     with pytest.raises(ConfigError, match="PREPACK=true, but oneDNN's packed fp32 linear"):
         load_model(str(tiny_dir), device="cpu", dtype="float32", prepack="true")
-    from app.core.batching import enable_packed_batching
+    from app.core.runner.packed import enable_packed_batching
 
     assert enable_packed_batching(lm.model)
     seqs = [Sequence(lm.model, lm.tokenizer, list(range(5, 5 + n)), SamplingParams(max_tokens=2, do_sample=False),
@@ -95,7 +95,7 @@ def test_a_packed_kernel_that_is_off_leaves_the_model_plain_and_working(tiny_dir
 def test_engine_passes_give_the_article_loops_greedy_tokens(tiny_dir, prepack):
     """A batch of three through forward_many (the packed copies, or `W @ x.T`) against each alone through the
     article's prefill / decode_step (nn.Linear's arithmetic): the same greedy tokens."""
-    from app.core.batching import enable_packed_batching
+    from app.core.runner.packed import enable_packed_batching
 
     lm = load_model(str(tiny_dir), device="cpu", dtype="float32", prepack=prepack)
     assert enable_packed_batching(lm.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, forward_many, generate
 from app.core.sampling import SamplingParams
 

@@ -42,7 +42,7 @@ def test_soak_passes_on_a_healthy_server(make_tiny_server, tmp_path, fast_mix, c
 
 
 def test_soak_fails_when_the_server_answers_500(make_tiny_server, tmp_path, fast_mix, monkeypatch):
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     def broken(*_):
         raise RuntimeError("simulated kernel failure")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.core.prefix_cache import PrefixCache
+from app.core.engine.prefix_cache import PrefixCache
 from app.core.sampling import SamplingParams
 from engine_runs import run_engine
 from test_prefix_cache import cache_for

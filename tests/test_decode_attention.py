@@ -1,4 +1,4 @@
-"""Decode attention on a CPU in bf16 (app/core/batching.py `grouped_decode_attention`): grouped-query attention as
+"""Decode attention on a CPU in bf16 (app/core/runner/packed.py `grouped_decode_attention`): grouped-query attention as
 two fp32 matmuls instead of SDPA. Not bit-identical to bf16 SDPA, so these tests measure how far it strays.
 
 Bound, measured: against an fp32 reference (attention computed in fp64 from the same bf16 inputs), the matmul
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from app.core.batching import _left_padded, enable_packed_batching, grouped_decode_attention
+from app.core.runner.packed import _left_padded, enable_packed_batching, grouped_decode_attention
 from app.core.generate import Sequence, decode_step, forward_many, prefill
 from app.core.sampling import SamplingParams
 

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from app.core.engine import Engine, EngineDead, GenerationFailed, default_prefill_tokens_per_step
+from app.core.engine.engine import Engine, EngineDead, GenerationFailed, default_prefill_tokens_per_step
 from app.core.generate import generate
-from app.core.kv_budget import KVBudget, KVLayout
+from app.core.engine.kv_budget import KVBudget, KVLayout
 from app.core.sampling import SamplingParams
 from app.errors import InvalidRequest, ServeError
 
@@ -131,7 +131,7 @@ def test_prompts_longer_than_a_chunk_in_both_modes(tiny_lm, packed):
 def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatch):
     """One request per pass: a kernel error in request A's pass fails A with a clean error; B, in its own
     passes, streams on; the engine serves the next request; A's reservation and cache are gone."""
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real_prefill = step_module.prefill
     poisoned = tiny_lm.encode_text("poisoned prompt")
@@ -162,7 +162,7 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
     """An OOM raised half way through a packed pass (after layer 0 and layer 1's attention have written this step's
     keys and values) is undone and the rows retried in halves: every request still gets exactly its solo tokens.
     A row that runs out of memory alone fails, with a clean error, and the others carry on."""
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real_forward, rows_now, ooms = step_module.forward_many, {"n": 0}, []
     poisoned = tiny_lm.encode_text("this one never fits")
@@ -197,7 +197,7 @@ def test_failed_pass_is_rolled_back_exactly():
     from transformers import MistralConfig, Qwen2Config
     from transformers import DynamicCache
 
-    from app.core.faults import cache_lengths, roll_back
+    from app.core.engine.faults import cache_lengths, roll_back
 
     def kv(n):
         return torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)
@@ -324,7 +324,7 @@ def test_requests_wait_for_kv_budget_and_too_big_ones_get_400(tiny_lm):
 
 
 def test_default_kv_budget_is_a_fraction_of_available_ram():
-    from app.core.kv_budget import available_ram, default_kv_cache_bytes
+    from app.core.engine.kv_budget import available_ram, default_kv_cache_bytes
 
     budget = default_kv_cache_bytes(torch.device("cpu"))
     assert 0 < budget <= available_ram()
@@ -357,7 +357,7 @@ def test_smollm_long_prompt_in_both_modes_equals_generate(smollm_fp32, packed):
 
 def test_idle_engine_gives_freed_heap_back_between_bursts_only(tiny_lm, monkeypatch):
     """Once at start and once each time the work runs out, never between the steps of a busy engine."""
-    import app.core.engine as engine_module
+    import app.core.engine.engine as engine_module
 
     trims = []
     monkeypatch.setattr(engine_module, "release_free_heap", lambda: trims.append(1))

@@ -16,11 +16,11 @@ import weakref
 import pytest
 import torch
 
-from app.core.constraints import Grammars
-from app.core.engine import Engine, EngineDead, GenerationFailed
+from app.core.structured.grammars import Grammars
+from app.core.engine.engine import Engine, EngineDead, GenerationFailed
 from app.core.sampling import SamplingParams
-from app.core.step import share_prefill
-from app.core.tensor_parallel import follow
+from app.core.engine.step import share_prefill
+from app.core.engine.tensor_parallel import follow
 from app.errors import InvalidRequest
 
 from test_engine import greedy, outcome, run_engine, solo_tokens
@@ -152,7 +152,7 @@ def test_a_dead_end_rows_error_does_not_keep_its_neighbours_caches_alive(tiny_lm
 def test_a_failing_prefix_cache_copy_fails_only_its_request(tiny_lm, monkeypatch):
     """The copy of a cached prefix runs out of memory for one request: that request ends with a clean error,
     the engine thread lives on, and the next request is served."""
-    from app.core.prefix_cache import PrefixCache
+    from app.core.engine.prefix_cache import PrefixCache
 
     real_load, prompt = PrefixCache.load, tiny_lm.encode_text("Paris is a city on the Seine, with many bridges.")
     poisoned = {"on": False}
@@ -196,8 +196,8 @@ class SyncingRanks(ListRanks):
 
 def poison_forward(monkeypatch, poisoned: list[int]) -> None:
     """Every packed pass that feeds the poisoned prompt raises, on whichever rank runs it."""
-    import app.core.step as step_module
-    import app.core.tensor_parallel as tp_module
+    import app.core.engine.step as step_module
+    import app.core.engine.tensor_parallel as tp_module
 
     real = step_module.forward_many
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from app.core.kv_budget import KVLayout
+from app.core.engine.kv_budget import KVLayout
 from app.metrics import parse_samples
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +55,7 @@ def wait_for(server, condition, timeout: float = 30.0) -> dict[str, float]:
 @pytest.fixture
 def slow_steps(monkeypatch):
     """Each forward pass takes 20 ms longer, so a 200-token stream runs long enough to be watched."""
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])

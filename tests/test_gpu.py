@@ -72,9 +72,9 @@ def test_captured_decode_step_gives_eager_greedy_tokens_on_cuda(tiny_tokenizer):
     what the eager step decodes in fp32, and replays without recompiling (tests/test_static_step.py on a CPU)."""
     from test_static_step import PROMPTS, decode_side_by_side
 
-    from app.core.batching import enable_packed_batching
-    from app.core.kv_pool import KVPool
-    from app.core.static_step import StaticDecodeStep
+    from app.core.runner.packed import enable_packed_batching
+    from app.core.runner.kv_pool import KVPool
+    from app.core.runner.static_step import StaticDecodeStep
 
     torch._dynamo.reset()
     model = build_tiny_model(len(tiny_tokenizer)).to("cuda")

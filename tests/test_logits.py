@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, decode_step, forward_many, prefill, reference_generate
 from app.core.sampling import SamplingParams
 from app.models.logits import logits_from_hidden

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, Qwen2Config
 
-from app.core.prefix_cache import PrefixCache, keeps_all_keys
+from app.core.engine.prefix_cache import PrefixCache, keeps_all_keys
 from app.core.sampling import SamplingParams
 from engine_runs import run_engine
 
@@ -89,9 +89,9 @@ def test_only_leaves_are_evicted():
 
 
 def kv_budget(capacity: int):
-    """The engine's KV budget (app/core/kv_budget.py) when it is there; else the same two calls over a dict."""
+    """The engine's KV budget (app/core/engine/kv_budget.py) when it is there; else the same two calls over a dict."""
     try:
-        from app.core.kv_budget import KVBudget
+        from app.core.engine.kv_budget import KVBudget
     except ImportError:
         class KVBudget:
             def __init__(self, capacity):

@@ -91,8 +91,8 @@ def test_deeper_than_the_json_encoder_goes_is_a_400_in_the_conversion_itself():
     (built here, as no JSON parser would hand it over) is a 400 naming it."""
     from app.anthropic.protocol import MessagesRequest
     from app.errors import InvalidRequest
-    from app.openai.responses import check_echo
-    from app.openai.responses_protocol import ResponsesRequest
+    from app.openai.responses.serving import check_echo
+    from app.openai.responses.protocol import ResponsesRequest
 
     with pytest.raises(InvalidRequest, match="nested too deeply") as caught:
         MessagesRequest.model_validate(deep_messages(nested(1100))).to_chat_request(reasons=False)

@@ -15,7 +15,7 @@ import pytest
 from conftest import ThreadServer
 from test_reasoning import THINKS, THINKS_FOREVER, THINKS_THEN_CALLS, WEATHER_TOOL, _app, qwen3_tokenizer, scripted_lm
 
-from app.openai.responses_protocol import ResponsesRequest
+from app.openai.responses.protocol import ResponsesRequest
 
 QUESTION = "Which city is the capital of France?"
 FLAT_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat shape
@@ -251,7 +251,7 @@ def test_clear_400s(tiny, extra, param):
 
 
 def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     calls = {"n": 0}
     real = step_module.forward_many

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, forward_many, generate
 from app.core.sampling import SamplingParams
 from app.core.speculative import MAX_DRAFT, NgramDrafter, accept_drafts

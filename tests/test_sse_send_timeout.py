@@ -48,7 +48,7 @@ def small_buffer_server(lm, **settings) -> ThreadServer:
 
 
 def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny_lm, monkeypatch):
-    import app.core.step as step_module
+    import app.core.engine.step as step_module
 
     real = step_module.forward_many
     monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(STEP_S), real(*a, **k))[1])

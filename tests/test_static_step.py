@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, decode_step, prefill
-from app.core.kv_pool import KVPool, PoolExhausted
+from app.core.runner.kv_pool import KVPool, PoolExhausted
 from app.core.sampling import SamplingParams
-from app.core.static_step import CudaGraphs, StaticDecodeStep, buckets_up_to
+from app.core.runner.static_step import CudaGraphs, StaticDecodeStep, buckets_up_to
 
 from conftest import build_tiny_model
 from engine_runs import run_engine

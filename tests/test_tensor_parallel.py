@@ -1,4 +1,4 @@
-"""Tensor parallelism (app/models/distributed.py, app/core/tensor_parallel.py).
+"""Tensor parallelism (app/models/distributed.py, app/core/engine/tensor_parallel.py).
 
 The fast tests need no second process: rank 0's engine sends its step messages into a list, and a follower replays
 them on its own copy of the model, which must end up holding exactly what rank 0 fed. The slow ones start real
@@ -17,7 +17,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2Config
 from app.__main__ import main
 from app.config import Settings
 from app.core.sampling import SamplingParams
-from app.core.tensor_parallel import follow
+from app.core.engine.tensor_parallel import follow
 from app.errors import ConfigError
 from app.models.distributed import tp_plan_problem
 from app.models.loading import load_model
@@ -105,7 +105,7 @@ def test_follower_replays_every_pass_of_rank0(tiny_lm, packed):
     alone, _ = run_engine(tiny_lm, requests, together=True, speculative="off", packed_batching=packed)
     assert [s.tokens for s in seen] == [s.tokens for s in alone]  # the hook changes nothing on rank 0
     passes = [m for m in ranks.sent if m[0] == "pass"]
-    if packed:  # speculation needs the packed pass (app/core/engine.py)
+    if packed:  # speculation needs the packed pass (app/core/engine/engine.py)
         assert any(row[3] > 1 for m in passes for row in m[3]), "some pass verified drafts"
     assert any(len(row[2]) == 16 for m in passes for row in m[3]), "some pass fed a prefill chunk"
 

@@ -1,4 +1,4 @@
-"""The transformers internals app/core/batching.py relies on, each checked on its own, so that a transformers release
+"""The transformers internals app/core/runner/packed.py relies on, each checked on its own, so that a transformers release
 that changes one fails here by name rather than as wrong tokens somewhere else. pyproject.toml pins transformers
 exactly; these say what to check before moving the pin."""
 

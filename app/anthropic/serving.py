@@ -30,9 +30,8 @@ from fastapi.responses import JSONResponse
 from app.anthropic.errors import anthropic_error, anthropic_status
 from app.anthropic.protocol import CHAT_TO_MESSAGES_PARAM, CountTokensRequest, MessagesRequest, _Conversation
 from app.errors import InvalidRequest, ServeError
-from app.openai.answer import Choice, Delta
+from app.openai.answer import Choice, Delta, choice_calls
 from app.openai.protocol import ChatCompletionRequest
-from app.openai.responses import choice_calls
 from app.openai.serving import CompletionServing, record_timing
 from app.openai.sse import event_stream
 

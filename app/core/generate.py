@@ -22,7 +22,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from transformers import DynamicCache
 
-from app.core.batching import PackedCaches, attention_windows, decode_matmuls, packed_inputs
+from app.core.runner.packed import PackedCaches, attention_windows, decode_matmuls, packed_inputs
 from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
 from app.errors import InvalidRequest
@@ -278,7 +278,7 @@ def forward_many(model, work: list[tuple[Sequence, int]], n_out: Seq[int] | None
 
     Returns float32 logits at each sequence's last `n_out[i]` fed positions (default 1), stacked in order:
     [sum(n_out), vocab]. The tokens travel packed in one row and each sequence's keys and values land in its own
-    cache (app/core/batching.py explains how). In fp32 on a CPU the linears take its several rows on faster
+    cache (app/core/runner/packed.py explains how). In fp32 on a CPU the linears take its several rows on faster
     kernels than `nn.Linear`'s (app/models/batch_rows.py), which round differently as any batching does; one row,
     the article's loop above (`prefill`, `decode_step`) and `model.generate()` keep `nn.Linear`'s own arithmetic.
     """

@@ -6,7 +6,7 @@ them in step.
 the model's `base_model_tp_plan` splits every attention layer by heads and every MLP by its hidden width, and the
 rowwise layers all-reduce their partial sums, so each forward pass is a collective that every rank must enter with
 the same inputs. Rank 0 serves HTTP and decides what runs; before each pass it broadcasts the pass's inputs over
-`Ranks`, a gloo group on the CPU (app/core/tensor_parallel.py says what a message holds).
+`Ranks`, a gloo group on the CPU (app/core/engine/tensor_parallel.py says what a message holds).
 
 Failure is loud and quick, never a hang: gloo reports a peer that died at the next send or receive; rank 0 sends a
 heartbeat whenever it has sent nothing for `BEAT_S`, so an idle server notices a dead rank too, and a follower whose

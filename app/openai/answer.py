@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.generate import TokenEvent
-from app.core.handle import RequestHandle
+from app.core.engine.handle import RequestHandle
 from app.core.sampling import Inspection
 from app.openai.reasoning import ReasoningSplitter
 from app.openai.tools import ToolCallDelta, ToolCallParser
@@ -130,3 +130,9 @@ def inspect_entry(tokenizer, inspection: Inspection) -> dict[str, Any]:
             "stages": inspection.stages,
             "candidates": [{"id": t, "text": tokenizer.decode([t]), "probs": [round(p, 6) for p in probs]}
                            for t, probs in zip(inspection.token_ids, inspection.probs)]}
+
+
+def choice_calls(choice: Choice) -> list[ToolCallDelta]:
+    """A whole answer's tool calls, as one delta each (id, name and all the arguments)."""
+    return [ToolCallDelta(i, call["function"]["arguments"], call["id"], call["function"]["name"])
+            for i, call in sorted(choice.tool_calls.items())]

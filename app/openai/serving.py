@@ -18,14 +18,14 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from app.core.engine import Engine
+from app.core.engine.engine import Engine
 from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.generate import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from app.core.constraints import Grammar, Grammars
-from app.core.schema_check import GrammarLimits
+from app.core.structured.grammars import Grammar, Grammars
+from app.core.structured.schema_check import GrammarLimits
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
 from app.openai.sse import event_stream
 from app.openai.structured import compile_client, request_grammar

@@ -6,7 +6,7 @@
     arguments valid against its `parameters` (vLLM builds one JSON schema for this; a structural tag keeps the
     model in the format it was trained on, so the ordinary tool-call parser reads the answer, streamed or not).
 
-The grammar itself is compiled by app/core/constraints.py, which knows nothing of OpenAI.
+The grammar itself is compiled by app/core/structured/grammars.py, which knows nothing of OpenAI.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.core.constraints import MAX_WHITESPACE, Grammar, Grammars
-from app.core.schema_check import GrammarLimits, SchemaCost, check_schema
+from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars
+from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
 from app.openai.tools.wire import ResponseFormat, Tool
 
 # Each call's text around its arguments, by tool-call format (see app/openai/tools/).

@@ -25,7 +25,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from app.errors import InvalidRequest
 
-log = logging.getLogger("app.core.kv_budget")
+log = logging.getLogger("app.core.engine.kv_budget")
 
 CPU_RAM_FRACTION = 0.5  # of the RAM available after loading; the rest is for activations, the OS and neighbours
 GPU_MARGIN_FRACTION = 0.1  # of the GPU's memory kept free for activations (as vLLM's gpu_memory_utilization=0.9)

@@ -3,13 +3,13 @@
 Today each request owns a DynamicCache that grows by `torch.cat` every token, so every step has new tensors of new
 sizes: nothing a compiler or a CUDA graph can replay. Here the memory is one tensor per layer for keys and one for
 values, `[num_blocks + 1, kv_heads, block_size, head_dim]`, allocated once; the last block is the pad block, where
-the padding rows of a batch-size bucket write and read (app/core/static_step.py). A request still owns its cache:
+the padding rows of a batch-size bucket write and read (app/core/runner/static_step.py). A request still owns its cache:
 `PoolHandle` holds its block ids and length, takes blocks as it grows, writes its new keys in place (no copy of
 what is already there) and gives its blocks back when it is released or garbage-collected.
 
 `PoolHandle` quacks like a DynamicCache where the engine uses one (`update`, `get_seq_length`, and `layers` with
-`get_seq_length` / `crop` for app/core/faults.py's roll-back), so a pooled request can still share an eager packed
-pass with prefill chunks (app/core/batching.py) or speculation's drafts (`crop` drops rejected ones). The prefix
+`get_seq_length` / `crop` for app/core/engine/faults.py's roll-back), so a pooled request can still share an eager packed
+pass with prefill chunks (app/core/runner/packed.py) or speculation's drafts (`crop` drops rejected ones). The prefix
 cache meets the pool by copying: a hit loads a DynamicCache that is copied into the pool when its prefill ends, and
 a finished request's keys are gathered back out for it (`as_dynamic_cache`). Sharing its blocks in place, as vLLM
 does, is not done yet.
@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from app.core.batching import grouped_decode_attention, packed_attention
+from app.core.runner.packed import grouped_decode_attention, packed_attention
 
 POOLED = "simple_serve_pooled"
 
@@ -95,7 +95,7 @@ class KVPool:
 
 
 class _PoolLayer:
-    """One layer's length, as app/core/faults.py reads and cuts a DynamicCache layer."""
+    """One layer's length, as app/core/engine/faults.py reads and cuts a DynamicCache layer."""
 
     is_sliding = False
 
@@ -178,7 +178,7 @@ class PoolHandle:
 @dataclass
 class PooledKV:
     """One layer's keys (or values) for a pooled decode step: the whole pool layer, and how the step's rows read
-    it. Only app/core/static_step.py makes these; `pooled_attention` knows them by type."""
+    it. Only app/core/runner/static_step.py makes these; `pooled_attention` knows them by type."""
 
     pool: torch.Tensor  # [num_blocks + 1, kv_heads, block_size, head_dim]
     table: torch.Tensor  # [B, W] block ids per row, padded with the pad block

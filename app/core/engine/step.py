@@ -1,6 +1,6 @@
 """One engine step: what runs together, the forward passes that run it, and the token events they yield.
 
-The Engine (app/core/engine.py) owns the requests: its queue, its admission against the KV budget, and the worker
+The Engine (app/core/engine/engine.py) owns the requests: its queue, its admission against the KV budget, and the worker
 thread. Each step it hands `StepRunner.run_step` the admitted requests; the runner feeds every one of them (the
 next prefill chunk of a new request, or the newest token of a running one) and tells the engine, through three
 hooks, when a request's sequence starts, when it yields a token, and when it fails.
@@ -11,11 +11,11 @@ holds back another request's first token by more than one step, and N streams co
 instead of N. `run_step` is the only place that decides what runs together.
 
 Two shortcuts, both leaving the tokens as they would be without them: a new request starts from the cached KV of
-the longest prefix of its prompt seen before (app/core/prefix_cache.py), and a running request may feed n-gram
+the longest prefix of its prompt seen before (app/core/engine/prefix_cache.py), and a running request may feed n-gram
 drafts after its newest token, so one step can emit several of its tokens (app/core/speculative.py).
 
 A forward pass that raises fails only that pass's requests; after an out-of-memory error, its rows are first
-rolled back and retried in smaller groups (app/core/faults.py).
+rolled back and retried in smaller groups (app/core/engine/faults.py).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from typing import Callable
 
 import torch
 
-from app.core.faults import cache_lengths, is_out_of_memory, release_cached_memory, roll_back
+from app.core.engine.faults import cache_lengths, is_out_of_memory, release_cached_memory, roll_back
 from app.core.generate import Sequence, TokenEvent, choose_many, decode_step, forward_many, prefill
-from app.core.handle import RequestHandle
-from app.core.kv_budget import KVBudget
-from app.core.prefix_cache import PrefixCache
+from app.core.engine.handle import RequestHandle
+from app.core.engine.kv_budget import KVBudget
+from app.core.engine.prefix_cache import PrefixCache
 from app.core.speculative import NgramDrafter, accept_drafts
-from app.core.tensor_parallel import Leader
-from app.core.static_step import StaticDecodeStep
+from app.core.engine.tensor_parallel import Leader
+from app.core.runner.static_step import StaticDecodeStep
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 
-log = logging.getLogger("app.core.engine")  # the engine's own log: one name for operators to follow
+log = logging.getLogger("app.core.engine.engine")  # the engine's own log: one name for operators to follow
 Work = tuple[RequestHandle, Sequence, int, list[int]]  # a request, the tokens it feeds this step, its drafts
 Emitted = tuple[RequestHandle, Sequence, TokenEvent | Exception]  # a token, or why this request cannot go on
 
@@ -95,7 +95,7 @@ class StepRunner:
     emit: Callable[[RequestHandle, TokenEvent], None]  # a token for the caller; the last one has a finish_reason
     fail: Callable[[list[RequestHandle], Exception], None]  # these requests end with a clean error
     static_decode: StaticDecodeStep | None = None  # DECODE_STEP=compiled: decode-only steps over the KV pool
-    # Tensor parallel (app/core/tensor_parallel.py): the other ranks run each pass too; None: the whole model is here
+    # Tensor parallel (app/core/engine/tensor_parallel.py): the other ranks run each pass too; None: the whole model is here
     leader: Leader | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 There is one path underneath: a Responses request is rewritten into the `ChatCompletionRequest` it means (input
 items -> messages, flat tools -> chat tools, `text.format` -> `response_format`, `max_output_tokens` ->
 `max_completion_tokens`, `reasoning.effort` -> `reasoning_effort`), and from there the same template, sampling
-parameters, engine and parsers serve it. Only the wire shape of the answer differs (app/openai/responses.py).
+parameters, engine and parsers serve it. Only the wire shape of the answer differs (app/openai/responses/serving.py).
 
 The server keeps no state, as Ollama's and vLLM's default: `store: true`, `previous_response_id`, `conversation`
 and `background` get a 400 that says so, rather than an answer that silently forgot the conversation.
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
 from app.openai.protocol import ChatCompletionRequest
-from app.openai.responses_items import input_messages
+from app.openai.responses.items import input_messages
 
 # Responses fields that pass straight through to the chat request (vLLM accepts the same extras on both APIs).
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -48,7 +48,7 @@ class TextConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    input: str | list[Any]  # items: validated one by one (responses_items.py), so a 400 names the field
+    input: str | list[Any]  # items: validated one by one (items.py), so a 400 names the field
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -39,17 +39,17 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
-from app.core.batching import enable_packed_batching
-from app.core.faults import roll_back
+from app.core.runner.packed import enable_packed_batching
+from app.core.engine.faults import roll_back
 from app.core.generate import decode_step, forward_many, prefill
 from app.models.loading import LoadedModel
 
-log = logging.getLogger("app.core.engine")
+log = logging.getLogger("app.core.engine.engine")
 
 
 class RankLost(BaseException):
     """The ranks no longer run in step. A BaseException so that no per-pass handler takes it for one request's
-    failure: it ends the engine (app/core/engine.py), and with it every request in flight."""
+    failure: it ends the engine (app/core/engine/engine.py), and with it every request in flight."""
 
 
 class Leader:

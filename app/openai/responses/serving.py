@@ -1,6 +1,6 @@
 """The Responses API (`POST /v1/responses`), stateless: the chat completions path underneath, another wire shape on top.
 
-The request becomes the chat request it means (responses_protocol.py) and goes through the same template, sampling
+The request becomes the chat request it means (protocol.py) and goes through the same template, sampling
 parameters, engine, reasoning split and tool-call parsers (`CompletionServing.start` and `.deltas`). What differs
 is how the answer is written:
 - the answer is a list of output items: `reasoning` (a reasoning model's thinking), `message` (its `output_text`),
@@ -26,13 +26,12 @@ from fastapi.responses import JSONResponse
 
 from app.errors import InvalidRequest, ServeError
 from app.openai.protocol import ChatCompletionRequest, now
-from app.openai.responses_protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from app.openai.answer import Choice, Delta
+from app.openai.responses.protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
+from app.openai.answer import Choice, Delta, choice_calls
 from app.openai.serving import CompletionServing, record_timing
 from app.openai.sse import event_stream
-from app.openai.tools import ToolCallDelta
 
-log = logging.getLogger("app.openai.responses")
+log = logging.getLogger("app.openai.responses.serving")
 
 
 class ResponsesServing:
@@ -240,9 +239,3 @@ def check_echo(body: ResponsesRequest) -> None:
 
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"  # OpenAI's spelling: resp_..., msg_..., rs_..., fc_...
-
-
-def choice_calls(choice: Choice) -> list[ToolCallDelta]:
-    """A whole answer's tool calls, as one delta each (id, name and all the arguments)."""
-    return [ToolCallDelta(i, call["function"]["arguments"], call["id"], call["function"]["name"])
-            for i, call in sorted(choice.tool_calls.items())]

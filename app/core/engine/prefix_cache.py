@@ -45,7 +45,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a hit loses at most block_size - 1 to
 
 
 class KVBudget(Protocol):
-    """Where the cache's bytes come from: the engine's KV budget (app/core/kv_budget.py). Each block is its own
+    """Where the cache's bytes come from: the engine's KV budget (app/core/engine/kv_budget.py). Each block is its own
     owner there, so evicting one block gives back exactly its bytes."""
 
     def reserve(self, owner: Hashable, nbytes: int) -> bool: ...

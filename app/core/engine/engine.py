@@ -5,15 +5,15 @@ returns a `RequestHandle` to iterate; the worker thread does all prefill and dec
 event back to the event loop with `call_soon_threadsafe`.
 
 This file is the requests' bookkeeping: the queue, admission, the KV budget, and how each request ends. What one
-step runs, in which forward passes, and which tokens those yield is app/core/step.py's `StepRunner`: every step,
+step runs, in which forward passes, and which tokens those yield is app/core/engine/step.py's `StepRunner`: every step,
 the worker hands it the admitted requests, and it calls back here as each one starts, yields a token or fails.
 
 Backpressure: at most `max_active` sequences decode at once and at most `max_queue` wait; past that, `submit`
 raises `Overloaded` at once. A request is admitted only when its worst-case KV cache (prompt + max_tokens) fits
-the KV budget (app/core/kv_budget.py); until then it waits, so memory never grows without bound.
+the KV budget (app/core/engine/kv_budget.py); until then it waits, so memory never grows without bound.
 
 Failures: a forward pass that raises fails only that pass's requests (after an out-of-memory error, its rows are
-first retried in smaller groups, see app/core/step.py); the engine keeps serving. If the worker thread itself dies,
+first retried in smaller groups, see app/core/engine/step.py); the engine keeps serving. If the worker thread itself dies,
 every request in flight or queued gets `EngineDead`, later submits too, and `alive` turns False for the probes.
 """
 
@@ -32,18 +32,18 @@ from typing import Callable
 import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
-from app.core.batching import enable_packed_batching
+from app.core.runner.packed import enable_packed_batching
 from app.core.generate import Sequence, TokenEvent, check_request
-from app.core.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
-from app.core.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
-from app.core.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
-from app.core.static_step import build_decode_step
-from app.core.step import StepRunner, default_prefill_tokens_per_step
+from app.core.engine.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
+from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
+from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
+from app.core.runner.static_step import build_decode_step
+from app.core.engine.step import StepRunner, default_prefill_tokens_per_step
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 from app.core.sampling import SamplingParams
 
-log = logging.getLogger("app.core.engine")
+log = logging.getLogger("app.core.engine.engine")
 
 
 def release_free_heap() -> None:
@@ -92,7 +92,7 @@ class Engine:
         self.prefix_cache_bytes = prefix_cache_bytes  # 0: off
         self.prefix_cache: PrefixCache | None = None
         self.speculative = speculative  # "ngram" | "off"
-        self.decode_step = decode_step  # "eager" | "compiled" (app/core/static_step.py)
+        self.decode_step = decode_step  # "eager" | "compiled" (app/core/runner/static_step.py)
         self._abort: ServeError | None = None
         self.max_active, self.max_queue = max_active, max_queue
         self.prefill_tokens_per_step = prefill_tokens_per_step

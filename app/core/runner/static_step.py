@@ -6,7 +6,7 @@ compiler could do is retrace. This step instead reads everything that changes fr
     ids [B, 1]          the rows' newest tokens
     positions [B, 1]    where each goes (its length so far)
     write_block, write_offset [B]   the pool slot its keys and values are written to
-    table [B, W]        each row's block ids (app/core/kv_pool.py), padded with the pad block
+    table [B, W]        each row's block ids (app/core/runner/kv_pool.py), padded with the pad block
     lengths [B]         keys each row sees, its new one included
 
 B is a bucket (1, 2, 4, 8, ... up to MAX_ACTIVE): a batch of 3 runs as 4, its fourth row a pad row that writes to
@@ -34,11 +34,11 @@ from typing import Sequence as Seq
 
 import torch
 
-from app.core.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
+from app.core.runner.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
 from app.models.logits import head_only
 from app.models.prepack import PackedLinear
 
-log = logging.getLogger("app.core.engine")
+log = logging.getLogger("app.core.engine.engine")
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -255,7 +255,7 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
                       block_size: int = 16) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
-    from app.core.batching import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
+    from app.core.runner.packed import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
 
     windows = attention_windows(lm.model) if batch_decode else None
     why_not = ("tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
