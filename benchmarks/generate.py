@@ -17,7 +17,8 @@ import torch
 
 from benchmarks import record
 from app.config import Settings
-from app.core.generate import Sequence, decode_step, prefill
+from app.core.generate import decode_step, prefill
+from app.core.sequence import Sequence
 from app.models.loading import load_model
 from app.models.prepack import PackedLinear, decode_bytes_per_step
 from app.core.sampling import SamplingParams

@@ -4,7 +4,7 @@
    schema, and the per-step mask (fill the bitmask + apply it to the logits) at batch 1 and 8, following a fixed
    document token by token. Both apply with xgrammar's CPU kernel: llguidance's own torch fallback is far slower.
 2) decode: the same batch decoding greedily with and without a json_schema grammar on every row, as the engine
-   runs it (`forward_many` + `choose_many`): ms per step and the overhead in percent. Rows without a grammar never
+   runs it (`forward` + `choose_many`): ms per step and the overhead in percent. Rows without a grammar never
    reach the mask code, so their cost is the plain figure.
 With `--out` the report is written as JSON that starts with `record.envelope` (machine, versions, settings, date).
 """
@@ -22,7 +22,8 @@ from benchmarks import record
 from app.config import Settings
 from app.core.runner.packed import enable_packed_batching
 from app.core.structured.grammars import Grammars
-from app.core.generate import Sequence, choose_many, forward_many
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence, choose_many
 from app.core.sampling import SamplingParams
 from app.models.loading import load_model
 
@@ -105,11 +106,11 @@ def time_decode(lm, batch: int, steps: int, grammar) -> float:
     prompt = lm.encode_chat([{"role": "user", "content": PROMPT}])
     params = SamplingParams(temperature=0, max_tokens=steps + 2, grammar=grammar)
     seqs = [Sequence(lm.model, lm.tokenizer, prompt, params, lm.eos_ids, lm.max_context) for _ in range(batch)]
-    logits = forward_many(lm.model, [(s, s.prompt_len) for s in seqs])
+    logits = forward(lm.model, [(s, s.prompt_len) for s in seqs])
     choose_many(seqs, logits)
     start = time.perf_counter()
     for _ in range(steps):
-        logits = forward_many(lm.model, [(s, 1) for s in seqs])
+        logits = forward(lm.model, [(s, 1) for s in seqs])
         choose_many(seqs, logits)
     return (time.perf_counter() - start) / steps * 1e3
 

@@ -1,7 +1,7 @@
 """`python -m benchmarks step`: one decode step, eager (today's packed pass) against DECODE_STEP=compiled.
 
 For each model, dtype and batch size: B sequences are prefilled the same way twice, one set with DynamicCaches
-(the eager packed pass, `forward_many`) and one in the KV pool (app/core/runner/static_step.py). Then rounds alternate:
+(the eager packed pass, `forward`) and one in the KV pool (app/core/runner/static_step.py). Then rounds alternate:
 `--steps` eager steps, then `--steps` compiled steps, so a neighbour's load on a shared machine hits both alike;
 the median time per step of each is reported, with each bucket's compile time and how many greedy tokens the two
 paths agreed on. Only the forward pass is timed (choosing tokens is the same code for both).
@@ -20,7 +20,9 @@ import torch
 
 from app.config import Settings
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, forward_many, prefill
+from app.core.generate import prefill
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.runner.kv_pool import KVPool
 from app.core.sampling import SamplingParams
 from app.core.runner.static_step import StaticDecodeStep
@@ -75,7 +77,7 @@ def measure(lm, variant: str, batches: list[int], args) -> list[dict]:
     step = StaticDecodeStep(lm.model, pool, max(batches), lm.max_context, compile=True, options=VARIANTS[variant],
                             buckets=batches)
     step.warm_up()
-    eager_run = lambda seqs: forward_many(lm.model, [(seq, 1) for seq in seqs])  # noqa: E731
+    eager_run = lambda seqs: forward(lm.model, [(seq, 1) for seq in seqs])  # noqa: E731
     rows = []
     for batch in batches:
         eager_seqs, pooled_seqs = (started(lm, prompt_ids, batch, max_tokens) for _ in range(2))

@@ -223,7 +223,7 @@ def test_failure_mid_stream_is_an_error_event(make_tiny_server, monkeypatch):
 
     server = make_tiny_server()
     calls = {"n": 0}
-    real = step_module.forward_many
+    real = step_module.run_pass
 
     def flaky(*args):
         calls["n"] += 1
@@ -231,7 +231,7 @@ def test_failure_mid_stream_is_an_error_event(make_tiny_server, monkeypatch):
             raise RuntimeError("simulated device failure")
         return real(*args)
 
-    monkeypatch.setattr(step_module, "forward_many", flaky)
+    monkeypatch.setattr(step_module, "run_pass", flaky)
     stream = events(server.url, body())
     assert stream[0][0] == "message_start" and stream[-1][0] == "error"
     assert "message_stop" not in [name for name, _ in stream]

@@ -152,8 +152,8 @@ def test_body_limit_and_cors(make_tiny_server):
 def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
-    monkeypatch.setattr(step_module, "forward_many", lambda *args: (time.sleep(0.02), real(*args))[1])
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *args: (time.sleep(0.02), real(*args))[1])
     server = make_tiny_server(max_active=1, max_queue=0)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as first:
         lines = first.iter_lines()
@@ -171,7 +171,7 @@ def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkey
     import app.core.engine.step as step_module
 
     calls = {"n": 0}
-    real = step_module.forward_many
+    real = step_module.run_pass
 
     def flaky(*args):
         calls["n"] += 1
@@ -179,7 +179,7 @@ def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkey
             raise RuntimeError("simulated device failure")
         return real(*args)
 
-    monkeypatch.setattr(step_module, "forward_many", flaky)
+    monkeypatch.setattr(step_module, "run_pass", flaky)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True)) as r:
         assert r.status_code == 200
         chunks = sse_payloads(r)
@@ -218,7 +218,7 @@ def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeyp
 
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
+    real = step_module.run_pass
     poison = "poisoned request"
 
     def faulty(model, work, *n_out):
@@ -226,7 +226,7 @@ def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeyp
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, work, *n_out)
 
-    monkeypatch.setattr(step_module, "forward_many", faulty)
+    monkeypatch.setattr(step_module, "run_pass", faulty)
     server = make_tiny_server()
     with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, max_tokens=40), timeout=60) as healthy:
         lines = healthy.iter_lines()
@@ -285,7 +285,7 @@ def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellat
 
     import app.core.engine.step as step_module
 
-    real, calls = step_module.forward_many, {"n": 0}
+    real, calls = step_module.run_pass, {"n": 0}
 
     def faulty(model, work, *n_out):
         if any(seq.params.seed == 8 for seq, _ in work):  # choice 1 of a request with seed 7
@@ -294,7 +294,7 @@ def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellat
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, work, *n_out)
 
-    monkeypatch.setattr(step_module, "forward_many", faulty)
+    monkeypatch.setattr(step_module, "run_pass", faulty)
     server = make_tiny_server()
     body = chat_body(n=2, seed=7, max_tokens=60, stream=True)
     with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
@@ -345,8 +345,8 @@ def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, 
 
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
-    monkeypatch.setattr(step_module, "forward_many", lambda *args: (time.sleep(0.05), real(*args))[1])
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *args: (time.sleep(0.05), real(*args))[1])
     server = GracefulThreadServer(tiny_lm, shutdown_grace_s=0.5)
     with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, max_tokens=200), timeout=60) as r:
         lines = r.iter_lines()
@@ -559,8 +559,8 @@ def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_se
 
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
-    monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
     server = make_tiny_server()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + CHAT, json=chat_body(max_tokens=200), timeout=0.5)

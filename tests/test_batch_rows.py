@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from app.core.generate import Sequence, decode_step, forward_many, prefill
+from app.core.generate import decode_step, prefill
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.sampling import SamplingParams
 from app.errors import ConfigError
 from app.models import batch_rows
@@ -88,12 +90,12 @@ def test_a_packed_kernel_that_is_off_leaves_the_model_plain_and_working(tiny_dir
     assert enable_packed_batching(lm.model)
     seqs = [Sequence(lm.model, lm.tokenizer, list(range(5, 5 + n)), SamplingParams(max_tokens=2, do_sample=False),
                      (), lm.max_context) for n in (3, 4)]
-    assert forward_many(lm.model, [(s, s.prompt_len) for s in seqs]).abs().sum() > 0  # not the broken kernel
+    assert forward(lm.model, [(s, s.prompt_len) for s in seqs]).abs().sum() > 0  # not the broken kernel
 
 
 @pytest.mark.parametrize("prepack", ["auto", "false"])
 def test_engine_passes_give_the_article_loops_greedy_tokens(tiny_dir, prepack):
-    """A batch of three through forward_many (the packed copies, or `W @ x.T`) against each alone through the
+    """A batch of three through forward (the packed copies, or `W @ x.T`) against each alone through the
     article's prefill / decode_step (nn.Linear's arithmetic): the same greedy tokens."""
     from app.core.runner.packed import enable_packed_batching
 
@@ -110,10 +112,10 @@ def test_engine_passes_give_the_article_loops_greedy_tokens(tiny_dir, prepack):
         return tokens
 
     seqs = [Sequence(lm.model, lm.tokenizer, ids, params, (), lm.max_context) for ids in prompts]
-    logits = forward_many(lm.model, [(s, s.prompt_len) for s in seqs])
+    logits = forward(lm.model, [(s, s.prompt_len) for s in seqs])
     together = [[s.choose(logits[i : i + 1]).token_id] for i, s in enumerate(seqs)]
     while len(together[0]) < 16:
-        logits = forward_many(lm.model, [(s, 1) for s in seqs])
+        logits = forward(lm.model, [(s, 1) for s in seqs])
         for i, s in enumerate(seqs):
             together[i].append(s.choose(logits[i : i + 1]).token_id)
     assert together == [alone(ids) for ids in prompts]

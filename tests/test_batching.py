@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, forward_many, generate
+from app.core.generate import generate
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.sampling import SamplingParams
 
 PROMPTS = ["Hi!", "Which city is the capital of France?", "北京是中国的首都。请介绍一下北京的历史和文化。",
@@ -31,7 +33,7 @@ def batched(lm, prompts, params_list, chunk=16):
             return outputs
         work = [(seqs[i], min(chunk, seqs[i].prompt_len - seqs[i].cache.get_seq_length()) if seqs[i].prefilling
                  else 1) for i in live]
-        logits = forward_many(lm.model, work)
+        logits = forward(lm.model, work)
         for row, i in enumerate(live):
             if not seqs[i].prefilling:
                 outputs[i].append(seqs[i].choose(logits[row : row + 1]).token_id)
@@ -73,7 +75,7 @@ def test_packed_pass_writes_into_each_request_cache(tiny_lm):
     seqs = [Sequence(tiny_lm.model, tiny_lm.tokenizer, ids, params, tiny_lm.eos_ids, tiny_lm.max_context)
             for ids in prompts]
     assert enable_packed_batching(tiny_lm.model)
-    logits = forward_many(tiny_lm.model, [(seqs[0], len(prompts[0])), (seqs[1], 3)])  # whole prompt + a chunk
+    logits = forward(tiny_lm.model, [(seqs[0], len(prompts[0])), (seqs[1], 3)])  # whole prompt + a chunk
     assert logits.shape == (2, tiny_lm.vocab_size)
     assert [s.cache.get_seq_length() for s in seqs] == [len(prompts[0]), 3]
     assert not seqs[0].prefilling and seqs[1].prefilling
@@ -153,7 +155,7 @@ def test_index_tensors_are_built_once_per_step_not_per_layer(tiny_lm, monkeypatc
                 for t in ("short", "a somewhat longer prompt here", "and a third one")]
         # Two prompts in whole (they decode next), the third one's first chunk: every cache exists already
         # (a new cache's first update builds its own empty tensors, once per request, not per step).
-        forward_many(lm.model, [(seqs[0], seqs[0].prompt_len), (seqs[1], seqs[1].prompt_len), (seqs[2], 2)])
+        forward(lm.model, [(seqs[0], seqs[0].prompt_len), (seqs[1], seqs[1].prompt_len), (seqs[2], 2)])
         real, calls = torch.tensor, []
 
         def counting(*args, **kwargs):
@@ -163,7 +165,7 @@ def test_index_tensors_are_built_once_per_step_not_per_layer(tiny_lm, monkeypatc
 
         monkeypatch.setattr(torch, "tensor", counting)
         try:  # a step with two decode rows and one prefill chunk
-            forward_many(lm.model, [(seqs[0], 1), (seqs[1], 1), (seqs[2], 3)])
+            forward(lm.model, [(seqs[0], 1), (seqs[1], 1), (seqs[2], 3)])
         finally:
             monkeypatch.setattr(torch, "tensor", real)
         return len(calls)

@@ -48,7 +48,7 @@ def test_soak_fails_when_the_server_answers_500(make_tiny_server, tmp_path, fast
         raise RuntimeError("simulated kernel failure")
 
     server = make_tiny_server()
-    monkeypatch.setattr(step_module, "forward_many", broken)
+    monkeypatch.setattr(step_module, "run_pass", broken)
     assert soak.run(soak_args(server.url, tmp_path, minutes=0.03)) == 1
     report = json.loads((tmp_path / "soak.json").read_text())
     assert not report["checks"]["no 5xx seen by clients"] and report["server_5xx"] > 0

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from app.core.structured.grammars import MAX_WHITESPACE, Grammars, check_schema
-from app.core.generate import Sequence, choose_many, decode_step, generate, prefill
+from app.core.generate import decode_step, generate, prefill
+from app.core.sequence import Sequence, choose_many
 from app.core.sampling import SamplingParams
 from app.errors import InvalidRequest
 

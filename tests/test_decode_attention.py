@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from app.core.runner.packed import _left_padded, enable_packed_batching, grouped_decode_attention
-from app.core.generate import Sequence, decode_step, forward_many, prefill
+from app.core.generate import decode_step, prefill
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.sampling import SamplingParams
 
 from conftest import build_tiny_model
@@ -69,7 +71,7 @@ def test_bf16_batched_decode_stays_close_to_solo_sdpa(tiny_tokenizer):
         s.choose(prefill(model, s))  # prefill is the same SDPA call on both sides; decode differs
     for _ in range(8):
         solo_logits = torch.cat([decode_step(model, s) for s in solo])
-        batch_logits = forward_many(model, [(s, 1) for s in batch])  # the decode rows take the fp32 matmul path
+        batch_logits = forward(model, [(s, 1) for s in batch])  # the decode rows take the fp32 matmul path
         rel = ((batch_logits - solo_logits).norm(dim=-1) / solo_logits.norm(dim=-1)).max().item()
         assert rel < 0.02
         agree += int((batch_logits.argmax(-1) == solo_logits.argmax(-1)).sum())

@@ -133,15 +133,15 @@ def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatc
     passes, streams on; the engine serves the next request; A's reservation and cache are gone."""
     import app.core.engine.step as step_module
 
-    real_prefill = step_module.prefill
+    real_pass = step_module.run_pass
     poisoned = tiny_lm.encode_text("poisoned prompt")
 
-    def failing_prefill(model, seq, chunk_size=None):
-        if seq.token_ids[0, : seq.prompt_len].tolist() == poisoned:
+    def failing_pass(model, work, *args):
+        if any(seq.token_ids[0, : seq.prompt_len].tolist() == poisoned for seq, _ in work):
             raise RuntimeError("simulated kernel error")
-        return real_prefill(model, seq, chunk_size)
+        return real_pass(model, work, *args)
 
-    monkeypatch.setattr(step_module, "prefill", failing_prefill)
+    monkeypatch.setattr(step_module, "run_pass", failing_pass)
     ok = tiny_lm.encode_text("a healthy prompt")
 
     async def scenario(engine):
@@ -164,7 +164,7 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
     A row that runs out of memory alone fails, with a clean error, and the others carry on."""
     import app.core.engine.step as step_module
 
-    real_forward, rows_now, ooms = step_module.forward_many, {"n": 0}, []
+    real_forward, rows_now, ooms = step_module.run_pass, {"n": 0}, []
     poisoned = tiny_lm.encode_text("this one never fits")
 
     def forward(model, work, *n_out):
@@ -177,7 +177,7 @@ def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
             ooms.append(rows_now["n"])
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(step_module, "forward_many", forward)
+    monkeypatch.setattr(step_module, "run_pass", forward)
     hook = tiny_lm.model.model.layers[1].mlp.register_forward_pre_hook(mlp_hook)
     prompts = long_prompts(tiny_lm, 4) + [poisoned]
     params = greedy(8)

@@ -199,15 +199,15 @@ def poison_forward(monkeypatch, poisoned: list[int]) -> None:
     import app.core.engine.step as step_module
     import app.core.engine.tensor_parallel as tp_module
 
-    real = step_module.forward_many
+    real = step_module.run_pass
 
     def forward(model, work, *n_out):
         if any(seq.token_ids[0, : seq.prompt_len].tolist() == poisoned for seq, _ in work):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, work, *n_out)
 
-    monkeypatch.setattr(step_module, "forward_many", forward)
-    monkeypatch.setattr(tp_module, "forward_many", forward)
+    monkeypatch.setattr(step_module, "run_pass", forward)
+    monkeypatch.setattr(tp_module, "run_pass", forward)
 
 
 def test_a_pass_that_raises_on_rank_0_fails_only_its_request_and_the_follower_stays_in_step(tiny_lm, monkeypatch):

@@ -57,8 +57,8 @@ def slow_steps(monkeypatch):
     """Each forward pass takes 20 ms longer, so a 200-token stream runs long enough to be watched."""
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
-    monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
 
 
 def stream_in_background(server, payload: dict) -> tuple[threading.Thread, list]:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from app.errors import InvalidRequest
-from app.core.generate import Sequence, check_request, choose_many, decode_step, generate, prefill, reference_generate
+from app.core.generate import decode_step, generate, prefill, reference_generate
+from app.core.sequence import Sequence, check_request, choose_many
 from app.core.sampling import SamplingParams, resolve_sampling_params
 
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, decode_step, forward_many, prefill, reference_generate
+from app.core.generate import decode_step, prefill, reference_generate
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.sampling import SamplingParams
 from app.models.logits import logits_from_hidden
 
@@ -80,7 +82,7 @@ def test_packed_pass_logits_are_the_models_own(arch_model, tiny_tokenizer):
         return
     prompts = [tiny_tokenizer.encode(text) for text in ("The capital of France is", "北京是中国的首都")]
     seqs = [make_seq(model, tiny_tokenizer, ids) for ids in prompts]
-    logits = forward_many(model, [(seq, seq.prompt_len) for seq in seqs])
+    logits = forward(model, [(seq, seq.prompt_len) for seq in seqs])
     for row, ids in enumerate(prompts):
         torch.testing.assert_close(logits[row : row + 1], own_logits(model, ids), rtol=1e-5, atol=1e-5)
 

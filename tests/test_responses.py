@@ -254,7 +254,7 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
     import app.core.engine.step as step_module
 
     calls = {"n": 0}
-    real = step_module.forward_many
+    real = step_module.run_pass
 
     def flaky(model, work, *n_out):
         calls["n"] += 1
@@ -262,7 +262,7 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
             raise RuntimeError("simulated device failure")
         return real(model, work, *n_out)
 
-    monkeypatch.setattr(step_module, "forward_many", flaky)
+    monkeypatch.setattr(step_module, "run_pass", flaky)
     stream = events(tiny, input="hi", max_output_tokens=10, ignore_eos=True)
     assert stream[-1][0] == "[DONE]"
     name, error = stream[-2]

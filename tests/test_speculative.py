@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, forward_many, generate
+from app.core.generate import generate
+from app.core.runner.forward import forward
+from app.core.sequence import Sequence
 from app.core.sampling import SamplingParams
 from app.core.speculative import MAX_DRAFT, NgramDrafter, accept_drafts
 from engine_runs import run_engine
@@ -76,13 +78,13 @@ def test_draft_length_follows_the_acceptance_rate():
 
 def prefilled(lm, ids, params):
     seq = Sequence(lm.model, lm.tokenizer, ids, params, lm.eos_ids, lm.max_context)
-    forward_many(lm.model, [(seq, len(ids))])
+    forward(lm.model, [(seq, len(ids))])
     return seq
 
 
 def verify(lm, seq, drafts):
     seq.token_ids[0, seq.length : seq.length + len(drafts)] = torch.tensor(drafts)
-    logits = forward_many(lm.model, [(seq, 1 + len(drafts))], [1 + len(drafts)])
+    logits = forward(lm.model, [(seq, 1 + len(drafts))], [1 + len(drafts)])
     assert logits.shape == (1 + len(drafts), lm.vocab_size)
     return accept_drafts(seq, logits, drafts)
 

@@ -50,8 +50,8 @@ def small_buffer_server(lm, **settings) -> ThreadServer:
 def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny_lm, monkeypatch):
     import app.core.engine.step as step_module
 
-    real = step_module.forward_many
-    monkeypatch.setattr(step_module, "forward_many", lambda *a, **k: (time.sleep(STEP_S), real(*a, **k))[1])
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *a, **k: (time.sleep(STEP_S), real(*a, **k))[1])
     with small_buffer_server(tiny_lm, sse_send_timeout_s=SEND_TIMEOUT_S) as server:
         check_stalled_stream_is_ended(server)
 

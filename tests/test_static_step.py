@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, decode_step, prefill
+from app.core.generate import decode_step, prefill
+from app.core.sequence import Sequence
 from app.core.runner.kv_pool import KVPool, PoolExhausted
 from app.core.sampling import SamplingParams
 from app.core.runner.static_step import CudaGraphs, StaticDecodeStep, buckets_up_to

@@ -7,6 +7,7 @@ ranks with torchrun over gloo on this CPU (tests/test_tensor_parallel_ranks.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
@@ -107,7 +108,8 @@ def test_follower_replays_every_pass_of_rank0(tiny_lm, packed):
     passes = [m for m in ranks.sent if m[0] == "pass"]
     if packed:  # speculation needs the packed pass (app/core/engine/engine.py)
         assert any(row[3] > 1 for m in passes for row in m[3]), "some pass verified drafts"
-    assert any(len(row[2]) == 16 for m in passes for row in m[3]), "some pass fed a prefill chunk"
+    chunks = collections.Counter(row[0] for m in passes for row in m[3] if row[3] == 1 and len(row[2]) > 1)
+    assert max(chunks.values()) > 1, "some prompt was fed in several prefill chunks"
 
     held = follow(dataclasses.replace(tiny_lm, ranks=ListRanks(ranks.sent)))
     dropped = {key for m in passes for key in m[1]}

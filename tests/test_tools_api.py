@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from app.core.generate import TokenEvent
+from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.protocol import ChatCompletionRequest
 from app.openai.serving import Choice, CompletionServing, tool_payloads

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from app.core.generate import Sequence, TokenEvent
+from app.core.sequence import Sequence, TokenEvent
 
 MIN_NGRAM, MAX_NGRAM = 2, 4  # a single matching token predicts little; vLLM and llama.cpp look up 1-5
 MAX_DRAFT = 8

@@ -25,7 +25,7 @@ step (interleaved medians, ms per step):
 
 Why not one row too, where oneDNN is faster still: its sums round differently (~1e-6), and one row is where our
 tokens are held bit for bit to the article's loop and `model.generate()`. So every call outside the engine's passes
-(`batch_rows()`, under which app/core/generate.py's `forward_many` runs), and one row within them, is `F.linear`.
+(`batch_rows()`, under which the engine's passes run: app/core/runner/forward.py), and one row within them, is `F.linear`.
 Several rows round differently from each row alone, within ~2e-6, as any batching does; the tests hold the tokens
 of batched fp32 passes equal to solo runs and to `model.generate()`.
 """

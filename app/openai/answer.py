@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.generate import TokenEvent
+from app.core.sequence import TokenEvent
 from app.core.engine.handle import RequestHandle
 from app.core.sampling import Inspection
 from app.openai.reasoning import ReasoningSplitter

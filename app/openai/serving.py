@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from app.core.engine.engine import Engine
 from app.errors import InvalidRequest, ModelNotFound, ServeError
-from app.core.generate import TokenEvent
+from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now

@@ -33,7 +33,7 @@ import torch
 
 from app.errors import Overloaded, ServeError, ShuttingDown
 from app.core.runner.packed import enable_packed_batching
-from app.core.generate import Sequence, TokenEvent, check_request
+from app.core.sequence import Sequence, TokenEvent, check_request
 from app.core.engine.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys

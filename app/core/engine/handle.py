@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from app.core.generate import TokenEvent
+from app.core.sequence import TokenEvent
 from app.core.sampling import SamplingParams
 from app.errors import ServeError
 

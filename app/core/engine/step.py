@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from app.core.engine.faults import cache_lengths, is_out_of_memory, release_cached_memory, roll_back
-from app.core.generate import Sequence, TokenEvent, choose_many, decode_step, forward_many, prefill
+from app.core.runner.forward import run_pass
+from app.core.sequence import Sequence, TokenEvent, choose_many
 from app.core.engine.handle import RequestHandle
 from app.core.engine.kv_budget import KVBudget
 from app.core.engine.prefix_cache import PrefixCache
@@ -149,7 +150,7 @@ class StepRunner:
         model cannot take, no memory for the cached prefix's copy), and only it ends."""
         try:
             seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
-                           self.lm.max_context)
+                           self.lm.max_context, handle.max_new_tokens)  # checked once, at submit
             self._reuse_prefix(handle, seq)
         except Exception as err:  # noqa: BLE001 - one request's failure is its own
             self.fail([handle], err)
@@ -212,24 +213,13 @@ class StepRunner:
         self.metrics.prompt_tokens.inc(prompts_done)  # once chosen: a pass retried after an OOM counts once
         return events + [(handle, seq, event) for (handle, seq), event in zip(singles, chosen)]
 
-    def _forward(self, group: list[Work]) -> torch.Tensor | None:
-        """Logits at each row's last fed position, or its last 1 + k to verify k drafts (None: one request's
-        non-last chunk)."""
-        decoding = all(n == 1 and not seq.prefilling for _, seq, n, _ in group)
-        if self.static_decode is not None and decoding:
-            logits = self.static_decode.run([seq for _, seq, _, _ in group])  # None: it cannot take this step
-            if logits is not None:
-                self.metrics.decode_steps.labels(path=self.static_decode.path).inc()
-                return logits
-        if decoding:
-            self.metrics.decode_steps.labels(path="eager").inc()
-        if self.batch_decode:
-            if self.static_decode is not None:  # a full pool must not fail the pass: rows it cannot hold leave it
-                self.static_decode.make_room([(seq, n) for _, seq, n, _ in group])
-            return forward_many(self.lm.model, [(seq, n) for _, seq, n, _ in group],
-                                [1 + len(drafts) for *_, drafts in group])
-        (_, seq, n, _), = group  # models without packed attention: one request per pass
-        return decode_step(self.lm.model, seq) if not seq.prefilling else prefill(self.lm.model, seq, n)
+    def _forward(self, group: list[Work]) -> torch.Tensor:
+        """Logits at each row's last fed position, or its last 1 + k to verify k drafts (app/core/runner/forward.py)."""
+        logits, path = run_pass(self.lm.model, [(seq, n) for _, seq, n, _ in group],
+                                [1 + len(drafts) for *_, drafts in group], self.static_decode)
+        if all(n == 1 and not seq.prefilling for _, seq, n, _ in group):
+            self.metrics.decode_steps.labels(path=path).inc()
+        return logits
 
     def _reuse_prefix(self, handle: RequestHandle, seq: Sequence) -> None:
         """Start a new request from the cached KV of the longest cached prefix of its prompt, if any."""

@@ -5,7 +5,7 @@ each rank must feed the same tokens at the same positions, and request by reques
 the whole engine (HTTP, admission, sampling); `Leader`, hooked into its StepRunner, broadcasts each pass's inputs
 just before running it:
 
-    ("pass", ended, packed, rows)  ended: request keys whose caches go; packed: forward_many or the solo functions
+    ("pass", ended, packed, rows)  ended: request keys whose caches go; packed: rank 0 runs packed attention
                                    rows: (key, start, tokens, n_out, length, new) per request, in the
                                    pass's order; new: (prompt_len, size) the first time a request runs
     ("sync",)                      the last pass raised on rank 0: every rank meets at a barrier before the next
@@ -13,8 +13,9 @@ just before running it:
     ("stop",)                      the server is shutting down
 
 `follow` is the loop on every other rank. It keeps a `Mirror` per request (its token ids and its own DynamicCache,
-which holds this rank's heads) and calls the very functions rank 0's StepRunner calls, so the two never diverge in
-which collectives they run (lm_head gathers its logits only where a token is to be chosen). Only rank 0 samples.
+which holds this rank's heads) and calls the dispatcher rank 0's StepRunner calls (`run_pass`,
+app/core/runner/forward.py), so the two never diverge in which collectives they run (lm_head gathers its logits
+only where a token is to be chosen). Only rank 0 samples.
 
 `start` is rank 0's cache length for the row: a follower cuts its cache back to it first, which is how n-gram
 speculation's cropped drafts (app/core/speculative.py) stay mirrored without a message of their own. The prefix
@@ -39,9 +40,9 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
-from app.core.runner.packed import enable_packed_batching
+from app.core.runner.packed import PACKED, enable_packed_batching
 from app.core.engine.faults import roll_back
-from app.core.generate import decode_step, forward_many, prefill
+from app.core.runner.forward import run_pass
 from app.models.loading import LoadedModel
 
 log = logging.getLogger("app.core.engine.engine")
@@ -101,21 +102,13 @@ def _first_line(err: BaseException) -> str:
 
 
 class Mirror:
-    """A follower's copy of one request: what `prefill`, `decode_step` and `forward_many` read from a Sequence."""
+    """A follower's copy of one request: what the forward pass reads from a Sequence (its tokens and its cache)."""
 
     def __init__(self, model, prompt_len: int, size: int):
         self.prompt_len = prompt_len
         self.length = prompt_len
         self.token_ids = torch.zeros(1, size, dtype=torch.long, device=model.device)
         self.cache = DynamicCache(config=model.config)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.cache.get_seq_length() < self.prompt_len
-
-    @property
-    def last_token(self) -> torch.Tensor:
-        return self.token_ids[:, self.length - 1 : self.length]  # [1, 1]
 
     def feed(self, start: int, tokens: list[int], length: int) -> None:
         """Take rank 0's view of this row: its cache length (cropping what rank 0 cropped) and the tokens fed."""
@@ -132,7 +125,6 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
     """Ranks > 0: run every pass rank 0 announces, until it says stop; returns the requests still held then.
     Raises if rank 0 died or went silent."""
     model, ranks = lm.model, lm.ranks
-    enable_packed_batching(model)  # as rank 0's engine does; the message says which path each pass takes
     mirrors: dict[int, Mirror] = {}
     while True:
         message = ranks.receive()
@@ -143,6 +135,8 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
         if message[0] != "pass":
             continue  # a heartbeat
         _, ended, packed, rows = message
+        if packed and model.config._attn_implementation != PACKED:
+            enable_packed_batching(model)  # as rank 0's engine did: the pass takes the same path here
         for key in ended:
             mirrors.pop(key, None)
         work = []
@@ -153,18 +147,9 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
             mirror.feed(start, tokens, length)
             work.append((mirror, len(tokens), n_out))
         try:
-            run_pass(model, packed, work)
+            run_pass(model, [(mirror, n) for mirror, n, _ in work], [n_out for *_, n_out in work])
         except Exception as err:  # noqa: BLE001 - rank 0's pass likely raised too; it says so with ("sync",)
             log.warning("tensor parallel: rank %d: a pass raised: %s", ranks.rank, _first_line(err))
-
-
-def run_pass(model, packed: bool, work: list[tuple[Mirror, int, int]]) -> None:
-    """The follower's copy of StepRunner._forward: the same function on the same inputs as rank 0."""
-    if packed:
-        forward_many(model, [(mirror, n) for mirror, n, _ in work], [n_out for *_, n_out in work])
-        return
-    (mirror, n, _), = work
-    decode_step(model, mirror) if not mirror.prefilling else prefill(model, mirror, n)
 
 
 def run_follower(load: Callable[[], LoadedModel]) -> int:

@@ -17,7 +17,7 @@ The projections and MLPs see no padding at all. Only attention pads: the single-
 call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
 against 77 ms with one SDPA call per request); each prefill chunk gets its own call, unpadded. On a CPU in
 bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
-A step with one request (outside that case) is not packed at all: `forward_many` runs it as the solo pass.
+A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""The one forward pass: every serving pass runs the model body here, whatever it feeds.
+
+A pass feeds some rows, each a sequence (anything with `token_ids` [1, size] and its own `cache`) and how many of
+its next tokens to feed: a prefill chunk, 1 to decode, or the newest token and k drafts to verify them
+(app/core/speculative.py). `forward` runs them:
+- one row, outside the case below: the solo pass, HF's own attention over the row's own cache, as the article's
+  loop runs it (46.1 -> 42.3 ms a step for one int8 stream on 2 AVX2 cores against packing one row);
+- otherwise: all rows packed into one row of tokens, each row's keys and values landing in its own cache
+  (app/core/runner/packed.py). On a CPU in half precision one row packs too: the packed pass's fp32 decode
+  matmuls beat SDPA there.
+
+`run_pass` is the one dispatcher: the compiled decode step where it takes the pass (app/core/runner/static_step.py,
+decode-only passes, DECODE_STEP=compiled), else `forward`. The engine's StepRunner and every tensor-parallel
+follower call it, so all ranks take the same path on the same inputs.
+
+`engine_pass`: in fp32 on a CPU, the engine's passes take several rows of a linear on faster kernels
+(app/models/batch_rows.py), which round differently, as any batching does. `generate()` passes False: its one row
+is always the solo pass on `nn.Linear`'s own arithmetic, so it keeps `model.generate()`'s tokens bit for bit.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Sequence as Seq
+
+import torch
+
+from app.core.runner.packed import PACKED, PackedCaches, attention_windows, decode_matmuls, packed_inputs
+from app.models.batch_rows import batch_rows
+from app.models.logits import logits_from_hidden
+
+
+@torch.inference_mode()
+def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
+            engine_pass: bool = True) -> torch.Tensor:
+    """Feed each sequence its next `n` tokens; float32 logits at each one's last `n_out[i]` fed positions (default
+    1), stacked in order: [sum(n_out), vocab]. Only those positions go through lm_head."""
+    n_out = n_out or [1] * len(work)
+    device = work[0][0].token_ids.device
+    packed = model.config._attn_implementation == PACKED
+    items = []
+    for seq, n in work:
+        cached = seq.cache.get_seq_length()
+        items.append((seq.token_ids[0, cached : cached + n], cached))  # ([n] token ids, first position)
+    if len(work) == 1 and not (engine_pass and packed and decode_matmuls(device, model.dtype)):
+        (seq, _), ((tokens, start),) = work[0], items  # the solo pass: the row's own cache, no mask to build
+        inputs = {"input_ids": tokens[None, :], "cache": seq.cache,  # [1, n]
+                  "position_ids": torch.arange(start, start + len(tokens), device=device)[None, :]}
+        spans = [(0, len(tokens))]
+    else:
+        if not packed:
+            raise ValueError("several rows in one pass need packed attention (enable_packed_batching)")
+        inputs = packed_inputs(items, device)  # [1, T_total], each row at its own positions
+        spans = inputs.pop("spans")
+        inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model))
+    with batch_rows() if engine_pass else nullcontext():
+        hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]
+        last = torch.tensor([end - k for (_, end), m in zip(spans, n_out) for k in range(m, 0, -1)], device=device)
+        return logits_from_hidden(model, hidden[:, last])[0].float()  # [sum(n_out), vocab]
+
+
+def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
+             compiled=None) -> tuple[torch.Tensor, str]:
+    """The dispatcher for every serving pass: (logits as `forward` returns them, the path that ran them).
+
+    `compiled`: a StaticDecodeStep, or None. It takes a pass where every row decodes one token and the pool
+    holds them; otherwise its pooled rows first make room for what they feed (a full pool moves a row to a cache
+    of its own rather than failing the pass) and the pass runs eagerly."""
+    if compiled is not None:
+        if all(n == 1 and not seq.prefilling for seq, n in work):
+            logits = compiled.run([seq for seq, _ in work])  # None: it cannot take this pass
+            if logits is not None:
+                return logits, compiled.path
+        compiled.make_room(work)
+    return forward(model, work, n_out), "eager"
