@@ -58,12 +58,14 @@ class Settings(BaseSettings):
                                                  "from the request's own prompt and output, verify them in one pass")
     tensor_parallel: int = Field(1, ge=1, description="split the model over this many GPUs (or CPU processes) with "
                                  "transformers' tensor-parallel plan; launch with `torchrun --nproc-per-node N`")
-    decode_step: Literal["eager", "compiled"] = Field("eager", description="compiled: steps where every request "
-                                                      "decodes one token run a step of fixed shapes over a KV pool "
-                                                      "allocated at start, compiled per batch bucket at start (CUDA: "
-                                                      "captured as graphs); not bit-identical to eager; steps "
-                                                      "that verify speculative drafts stay eager; on a CPU in bf16 "
-                                                      "it needs PREPACK=false")
+    decode_step: Literal["eager", "compiled"] = Field("eager", description="experimental until it has run on a "
+                                                      "GPU (on a CPU it measured slower than eager). compiled: steps "
+                                                      "where every request decodes one token run a step of fixed "
+                                                      "shapes over a KV pool allocated at start (charged to "
+                                                      "KV_CACHE_BYTES, at most half of it), compiled per batch "
+                                                      "bucket at start (CUDA: captured as graphs); not bit-identical "
+                                                      "to eager; steps that verify speculative drafts stay eager; on "
+                                                      "a CPU in bf16 it needs PREPACK=false")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "

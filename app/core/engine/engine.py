@@ -231,14 +231,22 @@ class Engine:
         0 to 1. Reserved, not used: admission compares the reservation with the budget, so this is what says
         whether the next request would queue here. The prefix cache's bytes count as free, since a reservation
         evicts them on demand (as vLLM counts cached but unreferenced blocks as free)."""
-        if self.kv_budget is None or self.kv_budget.capacity <= 0:
+        if self.kv_budget is None or self.kv_budget.room <= 0:
             return 0.0 if self.kv_budget is None else 1.0
-        held = self.kv_budget.in_use - (self.prefix_cache.bytes if self.prefix_cache is not None else 0)
-        return min(1.0, max(0.0, held / self.kv_budget.capacity))
+        held = (self.kv_budget.in_use - self.kv_budget.set_aside_bytes
+                - (self.prefix_cache.bytes if self.prefix_cache is not None else 0))
+        return min(1.0, max(0.0, held / self.kv_budget.room))
 
     def _set_up_static_decode(self):
-        return (build_decode_step(self.lm, self.max_active, self.kv_budget.capacity, batch_decode=self.batch_decode)
-                if self.decode_step == "compiled" else None)
+        """DECODE_STEP=compiled: the pool is KV like any other, so it is charged to the budget, set aside for good.
+        It gets at most half: the requests' own caches (while they prefill, or after a full pool moved them out)
+        reserve the rest, each its worst case as always, so KV memory stays within KV_CACHE_BYTES."""
+        if self.decode_step != "compiled":
+            return None
+        step = build_decode_step(self.lm, self.max_active, self.kv_budget.capacity // 2, batch_decode=self.batch_decode)
+        if step is not None:
+            self.kv_budget.set_aside(step.pool, step.pool.nbytes)
+        return step
 
     def _serve(self) -> None:
         while True:

@@ -9,6 +9,8 @@ evicted mid-generation. Requests that do not fit yet wait in the queue; one that
 Anything else that keeps KV (a prefix cache) takes its bytes from the same budget with the same calls:
 `reserve(owner, nbytes)` and `release(owner)`. It can also register a reclaimer, which `reserve` calls to make
 room (evict) before it answers that a request must wait, but only when evicting would let the request in now.
+What holds KV for the server's whole life (the compiled step's pool, DECODE_STEP=compiled) is `set_aside` once:
+held like a reservation, and no request may count on it (`room`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ class KVBudget:
         self._held: dict[Hashable, int] = {}
         self._lock = threading.Lock()
         self._reclaimers: list[tuple[Callable[[int], object], Callable[[], int]]] = []
+        self.set_aside_bytes = 0
+
+    @property
+    def room(self) -> int:
+        """What requests may reserve at most: the capacity less what is set aside for good."""
+        return self.capacity - self.set_aside_bytes
+
+    def set_aside(self, owner: Hashable, nbytes: int) -> None:
+        """Hold `nbytes` for the server's whole life (before any request is admitted)."""
+        if not self.reserve(owner, nbytes):
+            raise ValueError(f"cannot set aside {nbytes:,} bytes of a {self.capacity:,}-byte KV budget")
+        self.set_aside_bytes += nbytes
 
     @property
     def in_use(self) -> int:
@@ -105,11 +119,12 @@ class KVBudget:
     def request_bytes(self, layout: KVLayout, prompt_len: int, max_new: int) -> int:
         """A request's worst case (prompt + max_tokens); InvalidRequest if even an empty budget could not hold it."""
         need = layout.bytes_for(prompt_len + max_new)
-        if need > self.capacity:
+        if need > self.room:
             raise InvalidRequest(
                 f"this request could need {need:,} bytes of KV cache ({prompt_len} prompt + {max_new} max_tokens "
                 f"tokens x {layout.bytes_per_token:,} bytes per token), more than the server's whole KV cache "
-                f"budget of {self.capacity:,} bytes (KV_CACHE_BYTES); lower max_tokens or shorten the prompt",
+                f"budget for requests of {self.room:,} bytes (KV_CACHE_BYTES); lower max_tokens or shorten the "
+                "prompt",
                 param="max_tokens", code="kv_cache_exceeded")
         return need
 

@@ -25,6 +25,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from app.core.runner.kv_pool import POOLED
 from app.core.runner.packed import PACKED, PackedCaches, attention_windows, decode_matmuls, packed_inputs
 from app.models.batch_rows import batch_rows
 from app.models.logits import logits_from_hidden
@@ -37,7 +38,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     1), stacked in order: [sum(n_out), vocab]. Only those positions go through lm_head."""
     n_out = n_out or [1] * len(work)
     device = work[0][0].token_ids.device
-    packed = model.config._attn_implementation == PACKED
+    packed = model.config._attn_implementation in (PACKED, POOLED)  # POOLED: packed, save the pooled step's calls
     items = []
     for seq, n in work:
         cached = seq.cache.get_seq_length()

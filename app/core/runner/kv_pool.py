@@ -69,6 +69,11 @@ class KVPool:
         return 2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
+    def nbytes(self) -> int:
+        """What the pool holds, its pad block included."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
     def free_blocks(self) -> int:
         return len(self._free)
 

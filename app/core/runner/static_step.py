@@ -252,7 +252,7 @@ class StaticDecodeStep:
 
 
 def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool,
-                      block_size: int = 16) -> StaticDecodeStep | None:
+                      block_size: int = 16, compile: bool = True) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
     from app.core.runner.packed import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
@@ -270,12 +270,12 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
         return None
     per_block = KVPool.bytes_per_block(lm.model.config, block_size, lm.dtype)
     blocks_per_row = -(-lm.max_context // block_size)
-    # as many blocks as max_batch full contexts need, capped by the KV budget (the pool is allocated once, now)
-    num_blocks = max(1, min(max_batch * blocks_per_row, kv_capacity_bytes // per_block))
+    # as many blocks as max_batch full contexts need, capped by `kv_capacity_bytes` (allocated once, now)
+    num_blocks = max(1, min(max_batch * blocks_per_row, kv_capacity_bytes // per_block - 1))  # - 1: the pad block
     pool = KVPool(lm.model.config, num_blocks, block_size, lm.dtype, lm.device)
     log.info("KV pool: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size, num_blocks * per_block / 2**30)
     try:
-        step = StaticDecodeStep(lm.model, pool, max_batch, lm.max_context)
+        step = StaticDecodeStep(lm.model, pool, max_batch, lm.max_context, compile=compile)
         step.warm_up()
     except Exception as exc:  # a compiler or capture that fails here must not keep the server from serving
         log.warning("DECODE_STEP=compiled failed at warm-up, decode steps stay eager: %s: %s",
