@@ -17,7 +17,8 @@ import torch
 
 from benchmarks import record
 from app.config import Settings
-from app.core.generate import decode_step, prefill
+from app.core.generate import generate
+from app.core.runner.forward import forward
 from app.core.sequence import Sequence
 from app.models.loading import load_model
 from app.models.prepack import PackedLinear, decode_bytes_per_step
@@ -63,16 +64,15 @@ def measure_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> dict[str
 
 
 def time_our_loop(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float, float]:
-    """(time to first token, decode tokens/s after the first) for the hand-written loop, greedy, EOS ignored."""
+    """(time to first token, decode tokens/s after the first) for `generate()` itself, greedy, EOS ignored."""
     params = SamplingParams(max_tokens=max_tokens, do_sample=False, ignore_eos=True)
     start = time.perf_counter()
-    seq = Sequence(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)
-    event = seq.choose(prefill(lm.model, seq))
+    events = generate(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)
+    next(events)  # the first token: the prefill and one choice
     first = time.perf_counter()
-    while not event.finish_reason:
-        event = seq.choose(decode_step(lm.model, seq))
+    n = 1 + sum(1 for _ in events)
     end = time.perf_counter()
-    return first - start, (max_tokens - 1) / (end - first)
+    return first - start, (n - 1) / (end - first)
 
 
 @torch.inference_mode()
@@ -156,8 +156,8 @@ def measure_kv_memory(lm, streams: int, tokens: int, kv_bytes_per_token: int) ->
     for i in range(streams):
         ids = [(i * 7919 + j * 104729) % lm.vocab_size for j in range(tokens)]  # varied, any valid id
         seq = Sequence(lm.model, lm.tokenizer, ids, params, lm.eos_ids, lm.max_context)
-        while prefill(lm.model, seq, chunk_size=512) is None:  # chunked, as the engine does
-            pass
+        while seq.prefilling:  # chunked, as the engine does
+            forward(lm.model, [(seq, min(512, seq.prompt_len - seq.cache.get_seq_length()))])
         seqs.append(seq)
     held = sum(t.numel() * t.element_size() for s in seqs for layer in s.cache.layers
                for t in (layer.keys, layer.values))
