@@ -3,7 +3,7 @@
 - `bounded_traceback`: a traceback whose frames are each shown the first time their line appears (at most
   `HEAD_FRAMES`), then the last `TAIL_FRAMES`; each exception message cut to `MAX_MESSAGE_CHARS`, the whole to
   `MAX_TRACEBACK_CHARS`. Python's own formatting writes every frame, folding only a line repeated right after
-  itself: one RecursionError through two alternating functions (a 1.5 KB body nested 600 deep, issue 34) wrote
+  itself: one RecursionError through two alternating functions (a 1.5 KB body nested 600 deep) wrote
   512 KB, and three clients grew the log by 101 MiB in 10 s. The outer frames say which route and call it came
   through, the inner ones where it broke; the thousand repeats between them say nothing more.
 - `escape_controls`: control characters (newline, carriage return, escape...) written as `\\n`, `\\x1b`, so that a

@@ -1,7 +1,7 @@
 """The Responses API's input items as typed models, a union discriminated by `type`, and the chat messages they mean.
 
 Each item is validated on its own against its model, so that a malformed one is a 400 naming its field
-(`input.2.content.0.text`), never a TypeError deep in the conversion (issue 34: `{"type": "reasoning", "content": 5}`
+(`input.2.content.0.text`), never a TypeError deep in the conversion (`{"type": "reasoning", "content": 5}`
 was a 500). A message item may leave out `type` (OpenAI's easy input message); `content` and a function call's
 `output` may be a string or a list of text parts; an earlier answer's `reasoning` item is kept for the assistant turn
 it belongs to.
