@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import sys
 
 import httpx
@@ -246,10 +247,16 @@ def test_a_traceback_keeps_both_ends_and_its_cause():
 
 
 def test_a_newline_in_the_path_cannot_forge_an_access_log_line(tiny, caplog):
+    def logged() -> list[str]:
+        return [rec.getMessage() for rec in caplog.records if rec.name == "app.access" and "nothing" in
+                rec.getMessage()]
+
     with caplog.at_level(logging.INFO, logger="app.access"):
         httpx.get(tiny + "/nothing%0a2026-12-02 10:00:00 INFO app.access: - GET /v1/models 200%0d")
-    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "app.access" and "nothing" in
-               rec.getMessage()]
+        deadline = time.monotonic() + 5  # the access line is written after the response, off the loop
+        while not logged() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (line,) = logged()
     assert "\n" not in line and "\r" not in line and "/nothing\\n2026-12-02" in line
     record = logging.LogRecord("x", logging.INFO, "", 0, "user said %s", ("a\nb\x1b[31m",), None)
     assert LogFormatter("%(message)s").format(record) == "user said a\\nb\\x1b[31m"
