@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[convert,test,docs]'  # docs: the chart tests draw with matplotlib
 	# instructor (a test client) caps jiter < 0.15 and rich < 15, which the openai SDK and schemathesis we pin have
-	# outgrown; it runs fine on both (tests/test_anthropic_real.py), so it is installed without its caps. Its other
+	# outgrown; it runs fine on both (tests/real/test_anthropic_real.py), so it is installed without its caps. Its other
 	# needs (docstring-parser, jinja2, tenacity) come with the test extra.
 	$(PY) -m pip install --quiet --no-deps 'instructor==1.17.0'
 	touch $@
@@ -59,12 +59,12 @@ test-slow: setup
 # choices (dtype, prepacking, int8 engine, llama.cpp's portable flags), AMX's included, are tested in the main pass
 # from /proc/cpuinfo flags lines (tests/cpu_flags.py); AMX's kernels themselves run only on a real AMX CPU.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-AVX2_TESTS := tests/test_loading.py tests/test_prepack.py tests/test_generate.py tests/test_logits.py
+AVX2_TESTS := tests/fast/test_loading.py tests/fast/test_prepack.py tests/fast/test_generate.py tests/fast/test_logits.py
 # Kernels that choose by CPUID themselves (fbgemm's int8, xgrammar's mask, oneDNN's fp32 copies for batched rows)
 # and the packed-row paths, on the tiny model only (~45 s; their real-model tests take many minutes emulated).
 # fbgemm's AVX2 path was found here to saturate with full-range activations (app/models/quant.py).
-AVX2_KERNEL_TESTS := tests/test_quant.py tests/test_constraints.py tests/test_speculative.py tests/test_prefix_cache.py \
-	tests/test_batch_rows.py
+AVX2_KERNEL_TESTS := tests/fast/test_quant.py tests/fast/test_constraints.py tests/fast/test_speculative.py tests/fast/test_prefix_cache.py \
+	tests/fast/test_batch_rows.py
 # One emulated process for both lists (conftest.py keeps real-model tests to AVX2_TESTS and fails the run unless torch
 # sees an AVX2-only CPU), without the pytest plugins these files do not use: each costs seconds to load emulated.
 AVX2_PYTEST_FLAGS := -m "not slow" -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
@@ -93,7 +93,7 @@ test-fast: $(VENV)/.installed
 
 # The README's picture of the playground (docs/playground.png), taken by its browser test.
 screenshot: setup chromium
-	UPDATE_SCREENSHOT=1 $(PY) -m pytest tests/test_playground.py -k readme_picture $(PYTEST_ARGS)
+	UPDATE_SCREENSHOT=1 $(PY) -m pytest tests/browser/test_playground.py -k readme_picture $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks generate

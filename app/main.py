@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
 
 def served_openapi(app: FastAPI, model_id: str) -> dict:
     """FastAPI's schema, plus what only this server knows: `model` takes the one id it serves (any other is a 404),
-    so clients and the fuzzer (tests/test_fuzz.py) see the real contract."""
+    so clients and the fuzzer (tests/server/test_fuzz.py) see the real contract."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         # The bodies the routes parse themselves (app/api.py `parsed`): their models, as FastAPI would list them.

@@ -5,7 +5,7 @@ text outside the markers is the authors'. KIND `settings` is the table of every 
 (so docs/configuration.md cannot drift from the code); the other kinds are benchmark tables made from the named
 JSON files under docs/results/ (benchmarks/figures.py, run_tables.py, and cited_tables.py for tables whose cells
 cite figures of several files). `--check` writes nothing and exits 1 naming each page that
-differs, which is what tests/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
+differs, which is what tests/fast/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
 the `docs` extra).
 """
 

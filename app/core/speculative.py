@@ -14,7 +14,7 @@ in its own prompt or output, and check all the guesses in one forward pass.
 Why the output is unchanged: each emitted token is chosen from logits over exactly the tokens before it, by the
 same rule and with the same draw from the request's generator as without speculation. So greedy tokens are the
 same, and a seeded sampled request gets the same tokens too, up to rounding: a verify row computes the same logits
-as k + 1 decode steps would, in one matrix product instead of several (tests/test_speculative.py measures it).
+as k + 1 decode steps would, in one matrix product instead of several (tests/fast/test_speculative.py measures it).
 Each token still goes through `Sequence.accept`, so EOS, max_tokens and stop strings end the step at once, and
 nothing past a stop is ever emitted.
 

@@ -4,7 +4,7 @@
 template. A request's `chat_template_kwargs` must only ever be the second kind: `{"self": 1}` was a TypeError 500,
 `sanitize_control_tokens` or `return_assistant_tokens_mask` switch transformers' own behaviour, and a name the
 template environment defines (`raise_exception`, `namespace`) would replace a function the template calls. So:
-- a name in `RESERVED_TEMPLATE_ARGS` is a 400 naming it (tests/test_transformers_contracts.py checks that the list
+- a name in `RESERVED_TEMPLATE_ARGS` is a 400 naming it (tests/fast/test_transformers_contracts.py checks that the list
   covers apply_chat_template's and its renderer's parameters in the pinned transformers);
 - of the rest, only the variables the template itself reads are passed on (jinja2's `find_undeclared_variables`
   over the template's syntax tree, as vLLM does); any other name would have no effect on the prompt, and is left

@@ -21,11 +21,11 @@ held. No salt (None) is one shared namespace of its own.
 Eviction is least-recently-used over blocks, bounded in bytes. A hit touches its blocks from the last to the first,
 so a parent is always more recent than its children; the least recent block is then always a leaf, and evicting it
 never strands a child. A system prompt shared by many requests is touched by each of them, so it stays while
-one-off tails go first (a FIFO would evict it first: see tests/test_prefix_cache.py).
+one-off tails go first (a FIFO would evict it first: see tests/fast/test_prefix_cache.py).
 
 Exactness: the cached KV is bit-for-bit what the request would have computed itself, but the rest of the prompt is
 then prefilled as a chunk that attends to it rather than in one piece with it. In fp32 that gave the same greedy
-tokens in our tests (tiny model, Qwen2.5-0.5B; tests/test_prefix_cache.py); in bf16 the logits may differ by
+tokens in our tests (tiny model, Qwen2.5-0.5B; tests/fast/test_prefix_cache.py); in bf16 the logits may differ by
 rounding, as with any change of chunking.
 
 Models with sliding-window layers are not cached: their DynamicCache keeps only the last window of keys, so the full

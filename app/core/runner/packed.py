@@ -151,7 +151,7 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Why: torch's CPU SDPA is slow for one bf16 query over a long cache (measured 29 of a 54 ms decode step at
     2,000 tokens). Each KV head serves its group of query heads without repeating its keys.
     Not bit-identical to bf16 SDPA: scores and softmax are computed in fp32 from the same bf16 inputs, so this is
-    the more precise of the two; tests/test_decode_attention.py bounds the difference.
+    the more precise of the two; tests/fast/test_decode_attention.py bounds the difference.
     """
     batch, kv_heads, _, dim = k.shape
     grouped = q.reshape(batch, kv_heads, -1, dim).float()  # [B, kv_heads, groups, d]: heads h*g..h*g+g-1 share h

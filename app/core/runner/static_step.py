@@ -22,7 +22,7 @@ recompile) shows in `compiles`. When the pool runs out of blocks, a row leaves i
 attention is not full attention in every layer keep the eager path.
 
 Exactness: a compiled step is not bit-identical to the eager one (the compiler fuses and reorders float
-arithmetic, and attention here always takes fp32 matmuls). tests/test_static_step.py measures how far apart they
+arithmetic, and attention here always takes fp32 matmuls). tests/compile/test_static_step.py measures how far apart they
 are; the fp32 oracle (`generate`, `reference_generate`) never takes this path.
 """
 

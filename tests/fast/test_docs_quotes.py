@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "docs" / "walkthrough.md", REPO / "docs" / "architecture.md", REPO / "README.md"]
 # A quoted excerpt: a python block not marked runnable (those are commands whose output the page shows).
 EXCERPT = re.compile(r"(?<!-->\n)```python\n(?P<code>.*?)```", re.S)

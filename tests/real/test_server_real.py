@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
 MODEL = DEFAULT_MODEL
 API_KEY = "sk-test-real-server-0123456789"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180
 PARIS = [{"role": "user", "content": "Which city is the capital of France?"}]
 CHINESE = [{"role": "user", "content": "请用中文介绍一下北京。"}]

@@ -19,7 +19,7 @@ from benchmarks import docs
 from benchmarks import cells, record
 from app.config import DEFAULT_MODEL, Settings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -241,7 +241,7 @@ NOT_MEASURED = {
     ("deployment.md", "5 s"): "the preStop sleep in docker/k8s/deployment.yaml",
     ("deployment.md", "10 s"): "the margin in terminationGracePeriodSeconds, docker/k8s/deployment.yaml",
     ("benchmarking.md", "5%"): "bench soak's RSS-growth threshold, a rule of the bench",
-    ("benchmarking.md", "6 s"): "how long tests/test_bench_soak.py runs the soak, a setting of the test",
+    ("benchmarking.md", "6 s"): "how long tests/tooling/test_bench_soak.py runs the soak, a setting of the test",
     ("benchmarking.md", "10 minutes"): "make gpu-check's time budget, stated in scripts/gpu_check.sh's header",
     ("README.md", "10 minutes"): "the same budget of make gpu-check",
     ("README.md", "25 minutes"): "make test's time budget (a rule of the project, stated in the Makefile)",

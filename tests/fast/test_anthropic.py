@@ -2,7 +2,7 @@
 stream, Anthropic-shaped errors, auth, and the official `anthropic` SDK.
 
 Most tests run on the tiny random model (answers are noise, shapes are not), the thinking and tool tests on the
-tiny scripted Qwen3 of test_reasoning.py (known thinking, a known call). tests/test_anthropic_real.py runs the real
+tiny scripted Qwen3 of test_reasoning.py (known thinking, a known call). tests/real/test_anthropic_real.py runs the real
 clients against the default model.
 """
 

@@ -69,7 +69,7 @@ def test_default_model_loads_in_bf16_and_answers_on_cuda():
 
 def test_captured_decode_step_gives_eager_greedy_tokens_on_cuda(tiny_tokenizer):
     """DECODE_STEP=compiled on CUDA: the bucketed step captured as CUDA graphs (torch.cuda.graph) decodes
-    what the eager step decodes in fp32, and replays without recompiling (tests/test_static_step.py on a CPU)."""
+    what the eager step decodes in fp32, and replays without recompiling (tests/compile/test_static_step.py on a CPU)."""
     from test_static_step import PROMPTS, decode_side_by_side
 
     from app.core.runner.packed import enable_packed_batching

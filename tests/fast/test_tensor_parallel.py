@@ -2,7 +2,7 @@
 
 The fast tests need no second process: rank 0's engine sends its step messages into a list, and a follower replays
 them on its own copy of the model, which must end up holding exactly what rank 0 fed. The slow ones start real
-ranks with torchrun over gloo on this CPU (tests/test_tensor_parallel_ranks.py).
+ranks with torchrun over gloo on this CPU (tests/server/test_tensor_parallel_ranks.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import yaml
 
 from app.metrics import Metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GATEWAY_DIR = REPO / "docker" / "k8s" / "gateway"
 
 # What we target. Moving to another release means changing these AND rereading the schemas below against it.

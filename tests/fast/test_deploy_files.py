@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 COMPOSE = REPO / "docker-compose.yml"
@@ -474,7 +474,7 @@ def test_dockerignore_keeps_junk_out_and_build_inputs_in(tmp_path):
                          "app/web/playground.js", "app/web/inspector.js", "app/web/playground.css"]
     excluded_expected = [
         ".venv/bin/python", ".venv/lib/python3.12/site-packages/torch/__init__.py",
-        "tests/test_api.py", "tests/conftest.py", ".git/HEAD", ".env",
+        "tests/fast/test_api.py", "tests/conftest.py", ".git/HEAD", ".env",
         ".pytest_cache/v/cache/lastfailed", ".hypothesis/examples/x", "__pycache__/x.pyc",
         "app/__pycache__/server.cpython-312.pyc", "models/model.gguf", "app/w.safetensors",
         "bench-results/run.json", "docker/k8s/deployment.yaml", ".mypy_cache/x", ".ruff_cache/x",

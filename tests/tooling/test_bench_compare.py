@@ -19,7 +19,7 @@ from app.config import Settings
 
 from conftest import build_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.server
 SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
 

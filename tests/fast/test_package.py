@@ -13,7 +13,7 @@ from pathlib import Path
 
 from setuptools import find_packages
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def modules(*roots: str) -> dict[str, Path]:

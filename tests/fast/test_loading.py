@@ -28,7 +28,7 @@ from app.models.prepack import PackedLinear
 from conftest import MODEL_CACHE, ThreadServer
 from cpu_flags import PRE_AVX2_FLAGS, SAPPHIRE_RAPIDS_FLAGS, SKYLAKE_X_FLAGS, ZEN3_FLAGS, ZEN4_FLAGS, ZEN5_FLAGS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 ZEN4 = CpuFeatures(name="AMD EPYC", aten_capability="AVX512", onednn_max_isa=None, onednn_bf16=True,
                    flags=frozenset({"avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16"}))

@@ -286,7 +286,7 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
 
 
 # `make test-slow`'s (25 s): its twin in `make test` is SmolLM2 loaded prepacked in bf16 keeping generate()'s greedy
-# tokens (tests/test_loading.py), with the bit-for-bit logits checks above
+# tokens (tests/fast/test_loading.py), with the bit-for-bit logits checks above
 @needs_prepack
 @pytest.mark.slow
 @pytest.mark.real_model

@@ -23,7 +23,7 @@ from playwright.sync_api import expect, sync_playwright
 
 from app.config import Settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "playground.png"
 WEB_FILES = ("index.html", "playground.js", "inspector.js", "playground.css")
 CONTROLS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -247,7 +247,7 @@ def test_a_bad_setting_shows_the_servers_error(make_tiny_server, open_page):
 @pytest.mark.browser
 def test_a_reasoning_models_thinking_is_shown_apart_and_inspectable(open_page):
     from tests.conftest import ThreadServer
-    from tests.test_reasoning import THINKS, _app, qwen3_tokenizer, scripted_lm
+    from test_reasoning import THINKS, _app, qwen3_tokenizer, scripted_lm
 
     with ThreadServer(_app(scripted_lm(qwen3_tokenizer(), THINKS))) as server:  # thinks "The Paris is", says "Paris"
         p = open_page(server.url)
