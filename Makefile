@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium qemu serve test test-slow test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
+.PHONY: setup models chromium qemu serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -36,18 +36,27 @@ chromium:
 serve: setup
 	$(PY) -m app serve --host $(HOST) --port $(PORT) --model $(MODEL)
 
+# Two lanes, one folder each in tests/ (tests/README.md):
+#   make test-fast: tests/fast/, the tiny in-test model and no model at all: no downloads, no apt, no server
+#     process. It leaves out what tests/fast/ marks `full` (a few seconds each: worker processes, deadlines, long
+#     decodes, many server starts) and its few `real_model` and `server` tests, which sit beside their tiny twins.
+#   make test: everything, the fast lane included: tests/server/ (server processes), tests/real/ (the embedded
+#     models, fetched by `make setup`), tests/browser/ (chromium), tests/tooling/ (benchmarks/), tests/gpu/
+#     (skipped without CUDA), tests/compile/, then the AVX2 pass.
 # torch.compile's state (dynamo's caches, counters, recompile limits) is process-wide, so the tests that compile
-# (marker `compile`) run in a process of their own, after the rest: neither side can leave state to the other.
-# Tests marked `slow` are real-model tests with a cheaper twin in `make test`, which keeps it within 25 minutes on
-# 2 cores; `make test-slow` runs them.
+# (tests/compile/, marker `compile`) run in a process of their own, after the rest: neither side can leave state to
+# the other.
+FAST_LANE := tests/fast -m "not full and not real_model and not server"
 test: setup chromium qemu
-	$(PY) -m pytest -m "not compile and not slow" $(PYTEST_ARGS)
-	$(PY) -m pytest -m "compile and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
+	$(PY) -m pytest -m "not compile" $(PYTEST_ARGS)
+	$(PY) -m pytest -m compile $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
 	$(MAKE) --no-print-directory test-avx2
 
-test-slow: setup
-	$(PY) -m pytest -m "slow and not compile" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -m "slow and compile" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+# The fast lane, on one torch thread: the tiny model's matmuls are too small to share, and on a busy machine a second
+# thread mostly spins (the same tests took 60% more CPU time on two). `make test` keeps torch's default. Without the
+# pytest plugins the lane does not use: each costs seconds to load. Time taken: docs/benchmarking.md.
+test-fast: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(FAST_LANE) -p no:langsmith_plugin -p no:schemathesis $(PYTEST_ARGS)
 
 # The AVX2-only path, run by `make test` too: the loading, dtype, prepack-fallback, logits and decode-loop tests
 # again on an emulated AMD EPYC Rome (AVX2, no AVX-512, no AMX), under qemu's user-mode emulator, so CPUID, torch,
@@ -59,15 +68,16 @@ test-slow: setup
 # choices (dtype, prepacking, int8 engine, llama.cpp's portable flags), AMX's included, are tested in the main pass
 # from /proc/cpuinfo flags lines (tests/cpu_flags.py); AMX's kernels themselves run only on a real AMX CPU.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-AVX2_TESTS := tests/fast/test_loading.py tests/fast/test_prepack.py tests/fast/test_generate.py tests/fast/test_logits.py
+AVX2_TESTS := tests/fast/test_loading.py tests/fast/test_prepack.py tests/fast/test_generate.py \
+	tests/fast/test_logits.py
 # Kernels that choose by CPUID themselves (fbgemm's int8, xgrammar's mask, oneDNN's fp32 copies for batched rows)
 # and the packed-row paths, on the tiny model only (~45 s; their real-model tests take many minutes emulated).
 # fbgemm's AVX2 path was found here to saturate with full-range activations (app/models/quant.py).
-AVX2_KERNEL_TESTS := tests/fast/test_quant.py tests/fast/test_constraints.py tests/fast/test_speculative.py tests/fast/test_prefix_cache.py \
-	tests/fast/test_batch_rows.py
+AVX2_KERNEL_TESTS := tests/fast/test_quant.py tests/fast/test_constraints.py tests/fast/test_speculative.py \
+	tests/fast/test_prefix_cache.py tests/fast/test_batch_rows.py
 # One emulated process for both lists (conftest.py keeps real-model tests to AVX2_TESTS and fails the run unless torch
 # sees an AVX2-only CPU), without the pytest plugins these files do not use: each costs seconds to load emulated.
-AVX2_PYTEST_FLAGS := -m "not slow" -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
+AVX2_PYTEST_FLAGS := -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio
 # On a CPU that is itself AVX2-only, the main pass has just run those paths natively, so nothing is emulated.
 test-avx2: setup qemu
 	@if cpu=$$($(PY) -c "from app.models.cpu import cpu_features as f; c = f(); print(c.describe()); \
@@ -86,10 +96,6 @@ test-avx2: setup qemu
 qemu:
 	@command -v qemu-x86_64 >/dev/null 2>&1 || [ "$$(uname -m)" != x86_64 ] || ! command -v apt-get >/dev/null 2>&1 \
 		|| { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y qemu-user; }
-
-# Unit tests on the tiny in-test model only: seconds, no downloads (so no browser either).
-test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m "not real_model and not server and not browser" $(PYTEST_ARGS)
 
 # The README's picture of the playground (docs/playground.png), taken by its browser test.
 screenshot: setup chromium

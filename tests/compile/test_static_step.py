@@ -214,10 +214,10 @@ def test_engine_with_the_compiled_step_keeps_the_prefix_cache_and_speculation(ti
     assert engine.metrics.draft_tokens._value.get() > 0
 
 
-# bf16 on SmolLM2 is `make test-slow`'s: its twin in `make test` is the tiny model's bf16 bound above (compiling a
-# real model costs half a minute per dtype)
+# fp32 only on SmolLM2: bf16's bound is the tiny model's above (compiling a real model costs half a minute per
+# dtype)
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_compiled_step_on_smollm2(dtype):
     """The same bounds on a real model (SmolLM2-135M), prompts in three languages, 32 tokens each."""
     from conftest import MODEL_CACHE

@@ -138,6 +138,7 @@ def test_thinking_and_tool_use_blocks(caller):
     assert stream[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
+@pytest.mark.full
 def test_sdk_thinking_and_tool_round_trip(caller):
     client = anthropic.Anthropic(base_url=caller.url, api_key="unused", max_retries=0)
     ask = [{"role": "user", "content": "Weather in Paris?"}]

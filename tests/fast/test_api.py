@@ -75,6 +75,7 @@ def test_effective_sampling_params_header(make_tiny_server):
     assert effective["repetition_penalty"] == 1.1
 
 
+@pytest.mark.full
 def test_n_choices_and_seed(make_tiny_server):
     server = make_tiny_server()
     body = chat_body(n=3, temperature=1.5, seed=42)
@@ -149,6 +150,7 @@ def test_body_limit_and_cors(make_tiny_server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.full
 def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
     import app.core.engine.step as step_module
 
@@ -210,6 +212,7 @@ def metric(server, line_start: str) -> float:
     return 0.0
 
 
+@pytest.mark.full
 def test_fault_fails_only_its_pass_and_ready_stays_200(make_tiny_server, monkeypatch):
     """A request whose pass raises gets a clean error (JSON, or an error event then [DONE]); /ready stays 200,
     a stream running beside it finishes (here an OOM splits the pass, so the poisoned row fails alone), and the
@@ -276,6 +279,7 @@ def test_kv_budget_over_http(make_tiny_server):
     assert metric(server, "simple_serve_kv_cache_used_bytes") == 0
 
 
+@pytest.mark.full
 def test_stream_failing_midway_counts_as_an_error_and_siblings_are_not_cancellations(make_tiny_server,
                                                                                      monkeypatch):
     """n=2 where choice 1 fails (its pass runs out of memory even alone): the stream ends with an error event
@@ -338,6 +342,7 @@ class GracefulThreadServer:
         return True
 
 
+@pytest.mark.full
 def test_drain_deadline_ends_open_streams_with_an_error_event_and_done(tiny_lm, monkeypatch):
     """SIGTERM with a stream that outlasts SHUTDOWN_GRACE_S: the stream ends with an error event and [DONE]
     (not a cut connection), and the server exits."""
@@ -423,6 +428,7 @@ def test_sampling_params_header_stays_small(make_tiny_server):
     assert effective["temperature"] == 0
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("extra,param", [
     pytest.param({"stop": ["x" * 257]}, "stop", id="stop-too-long"),
     pytest.param({"stop": "x" * 10_000}, "stop", id="single-stop-too-long"),
@@ -440,6 +446,7 @@ def test_costly_inputs_get_400(make_tiny_server, extra, param):
         assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.full
 def test_largest_seed_works_for_every_choice(make_tiny_server):
     server = make_tiny_server()
     r = httpx.post(server.url + CHAT, json=chat_body(seed=2**63 - 1, n=3, temperature=1.0, max_tokens=3))
@@ -460,6 +467,7 @@ def test_default_max_tokens_is_bounded_for_every_choice(make_tiny_server):
     assert httpx.post(server.url + CHAT, json=chat_body(max_tokens=7)).json()["usage"]["completion_tokens"] == 7
 
 
+@pytest.mark.full
 def test_health_stays_fast_while_a_huge_prompt_is_tokenized(make_tiny_server):
     import random
     import threading
@@ -554,6 +562,7 @@ def test_tokenize_maps_developer_to_system_like_chat(make_tiny_server):
     assert no_prompt.json()["count"] < tokens["count"]
 
 
+@pytest.mark.full
 def test_client_timeout_on_non_streaming_request_is_no_server_error(make_tiny_server, monkeypatch, caplog):
     import gc
 

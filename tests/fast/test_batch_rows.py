@@ -93,6 +93,7 @@ def test_a_packed_kernel_that_is_off_leaves_the_model_plain_and_working(tiny_dir
     assert forward(lm.model, [(s, s.prompt_len) for s in seqs]).abs().sum() > 0  # not the broken kernel
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("prepack", ["auto", "false"])
 def test_engine_passes_give_the_article_loops_greedy_tokens(tiny_dir, prepack):
     """A batch of three through forward (the packed copies, or `W @ x.T`) against each alone through the

@@ -53,15 +53,9 @@ def check_batch_invariance(lm, max_tokens):
     assert batched(lm, prompts, mixed) == [solo(lm, ids, p) for ids, p in zip(prompts, mixed)]
 
 
+@pytest.mark.full
 def test_tiny_batch_equals_solo(tiny_lm):
     check_batch_invariance(tiny_lm, 40)
-
-
-# `make test-slow`'s (27 s): its twins in `make test` are SmolLM2's real weights below and the tiny model above
-@pytest.mark.slow
-@pytest.mark.real_model
-def test_qwen_batch_equals_solo(qwen_fp32):
-    check_batch_invariance(qwen_fp32, 32)
 
 
 @pytest.mark.real_model
@@ -109,6 +103,7 @@ def hf_greedy(lm, ids, max_new_tokens):
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("chunk", [5, 16, 64])
 def test_sliding_window_without_layer_types_is_honoured_when_packed(tiny_lm, chunk):
     """A Mistral-style config (a sliding_window and no layer_types) slides in every layer; packed prefill chunks
@@ -122,6 +117,7 @@ def test_sliding_window_without_layer_types_is_honoured_when_packed(tiny_lm, chu
     assert batched(lm, prompts, params, chunk=chunk) == [hf_greedy(lm, ids, 20) for ids in prompts]
 
 
+@pytest.mark.full
 def test_mixed_full_and_sliding_layers_are_honoured_when_packed(tiny_lm):
     from transformers import Qwen2Config
 

@@ -83,6 +83,7 @@ def test_nesting_in_a_tool_use_input_or_a_tool_schema_gets_the_depth_400_not_a_5
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep", r.text[:300]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_numbers_get_a_400_on_every_route(server, constant):
     for path, body in ROUTES.items():
@@ -96,6 +97,7 @@ def test_non_finite_numbers_get_a_400_on_every_route(server, constant):
     assert post_raw(server, "/v1/responses", text.replace('"X"', constant)).status_code == 400
 
 
+@pytest.mark.full
 def test_too_many_messages_items_blocks_and_tools_are_refused_by_name(server):
     many = [{"role": "user", "content": ""}] * 2049
     cases = [(CHAT, {"model": "tiny", "messages": many}, "messages", "MAX_MESSAGES"),
@@ -163,6 +165,7 @@ def test_past_max_preparing_a_429_with_retry_after_in_each_api_shape(make_tiny_s
     assert server.state.preparing.pending == 0
 
 
+@pytest.mark.full
 def test_a_request_whose_client_left_while_queued_is_never_parsed(make_tiny_server, blocked_parses):
     release, started = blocked_parses
     server = make_tiny_server(prepare_workers=1)

@@ -54,6 +54,7 @@ def cached(answer: dict) -> int:
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.full
 def test_with_several_api_keys_another_tenants_right_guess_gets_nothing_cached(make_tiny_server):
     """The finding's repro over HTTP: tenant A's system prompt holds a secret; a right guess by another tenant
     read more cached tokens than a wrong one. Under their own keys, the others read nothing of A's, and A hits."""
@@ -100,6 +101,7 @@ API_CASES = {  # each API: a request with the secret in front, and where its ans
 }
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("api", API_CASES)
 def test_cache_salt_isolates_prefixes_on_every_api(make_tiny_server, api):
     path, body, read = API_CASES[api]

@@ -32,6 +32,7 @@ def run(lm, grammar, **params):
     return "".join(e.text for e in events), events
 
 
+@pytest.mark.full
 def test_greedy_answer_is_a_valid_document_ended_by_eos(tiny_lm, grammars):
     text, events = run(tiny_lm, grammars.json_schema(SCHEMA), temperature=0, max_tokens=120)
     doc = json.loads(text)
@@ -45,6 +46,7 @@ def test_unconstrained_tiny_model_does_not_write_json_by_itself(tiny_lm):
         json.loads(text)  # so the test above measures the grammar, not luck
 
 
+@pytest.mark.full
 def test_sampled_answers_are_valid_and_reproducible_by_seed(tiny_lm, grammars):
     grammar = grammars.json_schema(SCHEMA)
     texts = [run(tiny_lm, grammar, temperature=1.0, seed=s, max_tokens=120)[0] for s in (1, 2, 1)]
@@ -53,6 +55,7 @@ def test_sampled_answers_are_valid_and_reproducible_by_seed(tiny_lm, grammars):
     assert texts[0] == texts[2]
 
 
+@pytest.mark.full
 def test_json_object_allows_any_object(tiny_lm, grammars):
     text, events = run(tiny_lm, grammars.json_schema({"type": "object"}), temperature=0, max_tokens=200)
     if events[-1].finish_reason == "stop":
@@ -74,6 +77,7 @@ def test_eos_is_masked_until_the_document_is_complete(tiny_lm, grammars):
                                   for t in allowed) and len(allowed) < 10
 
 
+@pytest.mark.full
 def test_padding_ids_past_the_tokenizer_stay_masked(tiny_tokenizer):
     padded = len(tiny_tokenizer) + 48  # like Qwen: config vocab 151,936 > tokenizer 151,665
     grammars = Grammars(tiny_tokenizer, padded, [tiny_tokenizer.eos_token_id])
@@ -144,6 +148,7 @@ def test_a_schema_the_compiler_rejects_is_a_400(grammars):
     assert err.value.param == "response_format"
 
 
+@pytest.mark.full
 def test_grammar_with_a_padded_model_vocab_generates(tiny_tokenizer):
     from app.models.loading import LoadedModel
 
@@ -166,6 +171,7 @@ def test_allows_reads_the_same_bits_as_the_mask(tiny_lm, grammars):
         assert allowed == (masked > -torch.inf).tolist() and 0 < sum(allowed) < tiny_lm.vocab_size
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_greedy_check_first_gives_the_tokens_of_the_full_mask(tiny_lm, grammars, monkeypatch, penalty):
     from app.core.structured.grammars import GrammarMatcher

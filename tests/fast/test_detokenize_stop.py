@@ -221,6 +221,7 @@ def test_a_tail_with_no_clean_cut_is_still_bounded():
     assert max(calls) <= 40
     assert sum(len(d) for d in deltas) > 1_500
 
+@pytest.mark.full
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pieces=st.lists(st.one_of(st.binary(min_size=1, max_size=6).map(lambda b: (b, True)),
                                  st.sampled_from(["ok ", "你好", "😀", "a"]).map(lambda t: (t.encode(), False))),
@@ -312,6 +313,7 @@ def text_and_stops(draw):
     return text, stops
 
 
+@pytest.mark.full
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=text_and_stops(), cuts=st.lists(st.integers(0, 40), max_size=12))
 def test_stop_filter_output_does_not_depend_on_chunking(data, cuts):
@@ -323,6 +325,7 @@ def test_stop_filter_output_does_not_depend_on_chunking(data, cuts):
     assert_user_sees(*run_filter([text], stops), text, stops)  # all at once
 
 
+@pytest.mark.full
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=text_and_stops(), cuts=st.lists(st.integers(0, 40), max_size=8), as_bytes=st.lists(st.booleans(),
                                                                                                  min_size=9, max_size=9))

@@ -207,6 +207,7 @@ def test_the_walkthroughs_commands_run_and_its_fp32_ones_print_what_the_page_sho
             assert shown and result.stdout == shown, f"{code}\nprinted:\n{result.stdout}\npage shows:\n{shown}"
 
 
+@pytest.mark.full
 def test_the_charts_are_drawn_from_the_results(tmp_path):
     from benchmarks import charts
 
@@ -244,7 +245,6 @@ NOT_MEASURED = {
     ("benchmarking.md", "6 s"): "how long tests/tooling/test_bench_soak.py runs the soak, a setting of the test",
     ("benchmarking.md", "10 minutes"): "make gpu-check's time budget, stated in scripts/gpu_check.sh's header",
     ("README.md", "10 minutes"): "the same budget of make gpu-check",
-    ("README.md", "25 minutes"): "make test's time budget (a rule of the project, stated in the Makefile)",
     ("configuration.md", "1.8 GiB"): "the default model's linears in fp32, a size fixed by the weights, not a reading",
     ("performance.md", "1.8 GiB"): "the same size, as the start log states it",
     ("performance.md", "24 GiB"): "the Zen 3 machine's RAM, part of its description",
@@ -356,6 +356,7 @@ def test_the_ttft_by_prompt_length_table_renders_between_markers(ttft_results):
     assert any(line.startswith("~1,200-token prompt: simple-serve, bf16 ÷ llama.cpp no comparison") for line in lines)
 
 
+@pytest.mark.full
 def test_the_ttft_by_prompt_length_chart_is_drawn_from_a_run_that_holds_it(ttft_results, tmp_path, capsys):
     from benchmarks import charts
 

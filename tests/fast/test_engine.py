@@ -112,6 +112,7 @@ def long_prompts(lm, count=3):
 
 # ---- prompts longer than one prefill chunk, in both modes ----
 
+@pytest.mark.full
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-pass"])
 def test_prompts_longer_than_a_chunk_in_both_modes(tiny_lm, packed):
     prompts = long_prompts(tiny_lm)
@@ -158,6 +159,7 @@ def test_failing_pass_fails_only_its_requests_and_frees_them(tiny_lm, monkeypatc
     assert reserved == 0 and in_flight == 0
 
 
+@pytest.mark.full
 def test_out_of_memory_retries_the_rows_in_smaller_groups(tiny_lm, monkeypatch):
     """An OOM raised half way through a packed pass (after layer 0 and layer 1's attention have written this step's
     keys and values) is undone and the rows retried in halves: every request still gets exactly its solo tokens.
@@ -296,6 +298,7 @@ def test_a_request_that_cannot_fit_even_after_eviction_leaves_the_prefix_cache_a
     assert budget.reserve("more", 5_000) and evicted == [500]  # evicting admits this one, so it is done
 
 
+@pytest.mark.full
 def test_requests_wait_for_kv_budget_and_too_big_ones_get_400(tiny_lm):
     prompts = [tiny_lm.encode_text(f"request number {i}") for i in range(3)]
     layout = KVLayout.from_config(tiny_lm.model.config, tiny_lm.dtype)

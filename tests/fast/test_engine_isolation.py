@@ -77,6 +77,7 @@ class PausingEngine(Engine):
             self.go_on.wait(timeout=60)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-per-pass"])
 def test_a_short_prompt_arriving_behind_a_long_one_gets_its_first_token_in_its_first_step(tiny_lm, packed):
     """A 200-token prompt takes 13 steps at 16 prompt tokens a step; a 3-token prompt sent during its third step
@@ -122,6 +123,7 @@ class WatchingEngine(Engine):
         super()._replace(handle, seq)
 
 
+@pytest.mark.full
 def test_a_dead_end_rows_error_does_not_keep_its_neighbours_caches_alive(tiny_lm):
     """With the garbage collector off, every Sequence of a pass in which one row reached a grammar dead end is
     freed once the requests end, by reference counting alone: the error the caller holds carries no frames."""
@@ -213,6 +215,7 @@ def poison_forward(monkeypatch, poisoned: list[int]) -> None:
     monkeypatch.setattr(tp_module, "run_pass", forward)
 
 
+@pytest.mark.full
 def test_a_pass_that_raises_on_rank_0_fails_only_its_request_and_the_follower_stays_in_step(tiny_lm, monkeypatch):
     poisoned = tiny_lm.encode_text("this prompt runs out of memory on every rank")
     poison_forward(monkeypatch, poisoned)

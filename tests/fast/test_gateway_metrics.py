@@ -87,6 +87,7 @@ def test_idle_server_exports_the_protocol_metrics(make_tiny_server, tiny_lm):
     assert_aliases_agree(m)
 
 
+@pytest.mark.full
 def test_gauges_follow_requests_that_queue_then_run(make_tiny_server, slow_steps):
     """One decode slot, two long streams: one runs and one queues, KV usage is the reserved share of the budget,
     and everything returns to zero when both are done."""
@@ -106,6 +107,7 @@ def test_gauges_follow_requests_that_queue_then_run(make_tiny_server, slow_steps
     assert_aliases_agree(idle)
 
 
+@pytest.mark.full
 def test_a_full_kv_budget_reads_near_one_and_the_next_request_queues(make_tiny_server, slow_steps, tiny_lm):
     """Slots are free but the KV budget is not: the picker sees usage near 1 and a queue, the signal to go
     elsewhere."""

@@ -22,6 +22,7 @@ def run(lm, ids, **params):
     return list(generate(lm.model, lm.tokenizer, ids, SamplingParams(**params), lm.eos_ids, lm.max_context))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("text", ["Which city is the capital of France?", "北京是中国的首都", "def reverse(s):"])
 def test_greedy_matches_reference_and_hf_generate(tiny_lm, text):
     ids = prompt(tiny_lm, text)
@@ -45,6 +46,7 @@ def test_sampling_matches_hf_generate_for_the_same_seed(tiny_lm):
     assert ours == hf
 
 
+@pytest.mark.full
 def test_seed_reproducible_and_private(tiny_lm):
     ids = prompt(tiny_lm)
     state = torch.get_rng_state()
@@ -142,6 +144,7 @@ def test_model_defaults_apply_unless_request_overrides(tiny_lm):
     assert resolve_sampling_params({"temperature": 0}, tiny_lm.generation_defaults).greedy
 
 
+@pytest.mark.full
 def test_choosing_for_a_batch_gives_each_request_what_it_gets_alone(tiny_lm):
     """The engine picks every row's token at once (shared argmax for plain greedy rows, one host transfer);
     each request must still get exactly its own tokens, logprobs and random draws."""

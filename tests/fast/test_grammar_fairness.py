@@ -70,6 +70,7 @@ def test_large_enums_are_refused_by_count_and_by_bytes():
     check_schema({"enum": [f"v{i}" for i in range(1000)]}, "response_format")
 
 
+@pytest.mark.full
 def test_a_compile_past_its_memory_limit_is_a_400_and_a_fresh_worker_takes_the_next(tiny_lm):
     grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids,
                         limits=GrammarLimits(memory_bytes=256 * 2**20, compile_timeout_s=60))
@@ -104,6 +105,7 @@ def test_the_fair_queue_serves_clients_in_turn():
     assert order == ["greedy0", "other", "greedy1", "greedy2"]  # after one greedy job, the other client's
 
 
+@pytest.mark.full
 def test_one_clients_compiles_are_bounded_and_another_client_is_not(tiny_lm, monkeypatch):
     real = CompilePool.compile
     monkeypatch.setattr(CompilePool, "compile", lambda self, request, timeout_s: (

@@ -58,6 +58,7 @@ def test_deep_nesting_is_refused_and_the_limit_is_a_setting():
         check_schema(nested_arrays(5), "response_format", limits=GrammarLimits(max_depth=4))
 
 
+@pytest.mark.full
 def test_a_compile_past_its_deadline_is_stopped_and_the_next_compile_works(tiny_lm):
     grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids,
                         limits=GrammarLimits(compile_timeout_s=0.3))
@@ -75,6 +76,7 @@ def test_a_compile_past_its_deadline_is_stopped_and_the_next_compile_works(tiny_
         grammars.close()
 
 
+@pytest.mark.full
 def test_the_librarys_source_path_and_timestamp_never_reach_the_caller(tiny_lm):
     grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids)
     try:
@@ -98,6 +100,7 @@ async def _collect(handle):
     return tokens, None
 
 
+@pytest.mark.full
 def test_a_dead_end_grammar_ends_only_its_own_request(tiny_lm):
     """Two innocent neighbours, greedy and seeded-sampled, give the same tokens with the attacker batched in."""
     grammars = Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids)
@@ -129,6 +132,7 @@ def test_a_dead_end_grammar_ends_only_its_own_request(tiny_lm):
     assert err.param == "response_format" and err.code == "grammar_dead_end" and err.status == 400
 
 
+@pytest.mark.full
 def test_a_dead_end_over_http_is_a_400_or_an_error_event_and_neighbours_finish(make_tiny_server):
     server = make_tiny_server()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
@@ -186,6 +190,7 @@ def test_n_choices_one_fails_siblings_tasks_end(tiny_lm, monkeypatch):
     assert asyncio.run(scenario()) == []
 
 
+@pytest.mark.full
 def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny_lm, monkeypatch):
     from app.core.structured.grammar_compile import CompilePool
     from app.errors import Overloaded
@@ -219,6 +224,7 @@ def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny
     assert len(compiled) == 2  # the shared schema compiled once
 
 
+@pytest.mark.full
 def test_a_dead_end_through_the_responses_api_names_its_own_field(make_tiny_server):
     """The same dead end reached through Responses' text.format is named `text.format`, not the chat field."""
     server = make_tiny_server()

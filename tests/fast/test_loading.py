@@ -64,6 +64,7 @@ FEATURES_SCRIPT = ("import json, torch; from app.models.cpu import cpu_features,
                    "'prepack': prepack_support(torch.device('cpu'), torch.bfloat16)}))")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("forced", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}])
 def test_forcing_avx2_through_either_variable_emulates_an_avx2_only_cpu(forced):
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
@@ -145,6 +146,7 @@ def test_the_model_loads_straight_onto_its_device(tiny_dir, monkeypatch):
     assert lm.device == CPU and lm.dtype == torch.float32
 
 
+@pytest.mark.full
 def test_two_starts_give_identical_greedy_answers(tiny_dir):
     """Two processes, default settings (dtype=auto, PREPACK=auto): the same dtype and the same greedy text."""
     command = [sys.executable, "-m", "app", "generate", "--model", str(tiny_dir), "--raw", "--temperature", "0",

@@ -283,25 +283,3 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
     assert result["kv_bytes_held"] == result["kv_bytes_theory"] == 2 * 32 * 2 * 2 * 2 * 16 * 2
     written = json.loads((tmp_path / "bench.json").read_text())
     assert written["bench"] == "generate" and written["machine"]["cores"] >= 1 and written["ours_vs_hf"] > 0
-
-
-# `make test-slow`'s (25 s): its twin in `make test` is SmolLM2 loaded prepacked in bf16 keeping generate()'s greedy
-# tokens (tests/fast/test_loading.py), with the bit-for-bit logits checks above
-@needs_prepack
-@pytest.mark.slow
-@pytest.mark.real_model
-def test_prepacked_qwen_bf16_gives_transformers_own_greedy_tokens():
-    """bf16, every linear prepacked (what PREPACK=auto keeps where packing measures faster) against transformers'
-    generate() on the model as transformers loads it: the same 48 tokens, in English, Chinese and code."""
-    path = str(MODEL_CACHE / "qwen2.5-coder-0.5b-instruct")
-    packed = load_model(path, "cpu", "bfloat16", prepack="true")  # all of them, whatever a timing would say
-    plain = load_model(path, "cpu", "bfloat16", prepack=False)
-    assert linears(packed.model)[0] == 0 and linears(plain.model)[1] == 0
-    for text in ("Describe Paris in detail.", "请用中文介绍一下北京的历史。", "Write a Python prime test."):
-        ids = packed.encode_chat([{"role": "user", "content": text}])
-        ours = greedy(packed.model, packed.tokenizer, ids, packed.eos_ids, n=48, ignore_eos=False)
-        with torch.inference_mode():
-            hf = plain.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      do_sample=False, repetition_penalty=1.0, max_new_tokens=48,
-                                      eos_token_id=list(packed.eos_ids), pad_token_id=0)[0, len(ids):].tolist()
-        assert len(ours) >= 24 and ours == hf

@@ -55,6 +55,7 @@ def test_every_linear_is_int8_and_logits_stay_close(plain, tiny_tokenizer, kerne
             assert relative_error(quantized(ids).logits, plain(ids).logits) < 0.03
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_greedy_agreement_with_the_unquantized_model(plain, tiny_tokenizer, kernel):
     quantized = copy.deepcopy(plain)

@@ -276,6 +276,7 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum
                "additionalProperties": False}
 
 
+@pytest.mark.full
 def test_grammar_applies_only_after_the_thinking(thinker, overthinker):
     """A json_schema answer: the thinking stays free text (a grammar over it would forbid "<think>" itself), the
     answer after </think> matches the schema; also when the budget forced the </think>."""

@@ -150,6 +150,7 @@ def test_openai_sdk_create_and_stream(thinker):
     assert [item.type for item in final.output] == ["reasoning", "message"]
 
 
+@pytest.mark.full
 def test_text_format_after_the_thinking_and_sdk_parse(thinker):
     """text.format json_schema runs through chat's grammar, after </think>; the SDK parses it into a pydantic model."""
     from typing import Literal
@@ -229,6 +230,7 @@ def test_tool_round_trip_input(caller):
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("extra, param", [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),

@@ -207,6 +207,7 @@ chain_settings = dict(
 )
 
 
+@pytest.mark.full
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**chain_settings)
 def test_process_logits_matches_hf_chain(seed, kind, penalty, temperature, top_k, top_p, min_p, prompt_len):

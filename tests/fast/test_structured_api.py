@@ -29,6 +29,7 @@ def body(**extra):
             "max_tokens": 60, **extra}
 
 
+@pytest.mark.full
 def test_json_schema_answers_are_valid_streamed_or_not_with_n_seed_and_logprobs(hermes_server):
     url = hermes_server.url + CHAT
     r = post(url, body(response_format=JSON_SCHEMA, n=2, temperature=1.0, seed=7, logprobs=True))

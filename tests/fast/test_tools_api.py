@@ -188,6 +188,7 @@ def ask(server: ThreadServer, stream: bool):
         return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("call", BROKEN_ANSWERS)
 def test_a_broken_call_comes_back_as_content_streamed_and_not(call):
     tokens = ["<tool_call>", "\n" + call + "\n", "</tool_call>", " Done."]

@@ -115,6 +115,7 @@ def test_valid_and_broken_calls_split_anywhere_give_the_whole_texts_answer(data)
         assert parse_tool_calls(text, "hermes", TOOLS).tool_calls
 
 
+@pytest.mark.full
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=30), st.data(), st.sampled_from(["hermes", "json"]))
 def test_random_call_shaped_text_never_raises_and_splits_consistently(fragments, data, fmt):

@@ -123,26 +123,6 @@ def test_two_gloo_ranks_equal_one_process_and_a_killed_rank_fails_cleanly(tmp_pa
             print("\n" + srv.log_tail(), file=sys.stderr)
 
 
-# `make test-slow`'s: its twins in `make test` are a tiny qwen2 on two ranks (above) and SmolLM2's real weights on
-# three (below), the same code on each side
-@pytest.mark.slow
-@pytest.mark.real_model
-def test_default_model_on_two_gloo_ranks_equals_one_process(tmp_path):
-    from app.config import DEFAULT_MODEL
-
-    model = str(fetch_model(DEFAULT_MODEL, MODEL_CACHE))
-    expected = single_process_answers(tmp_path, model, max_tokens=16)
-    srv = torchrun_server(tmp_path, model, 2)
-    failed = True
-    try:
-        assert answers(srv.url, DEFAULT_MODEL, max_tokens=16) == expected
-        failed = False
-    finally:
-        srv.stop()
-        if failed:
-            print("\n" + srv.log_tail(), file=sys.stderr)
-
-
 @pytest.mark.real_model
 def test_smollm2_on_three_gloo_ranks_equals_one_process(tmp_path):
     """SmolLM2-135M has 9 attention heads and 3 key/value heads: 3 ranks, not 2 (which it refuses)."""
