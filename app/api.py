@@ -12,6 +12,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from app.anthropic.protocol import CountTokensRequest, MessagesRequest
 from app.anthropic.serving import MessagesServing
@@ -23,7 +24,7 @@ from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, Detok
 from app.openai.responses.serving import ResponsesServing
 from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
-from app.prepare import client_left
+from app.prepare import ClientGone, client_left
 from app.state import ServerState
 
 M = TypeVar("M")
@@ -81,7 +82,10 @@ BODY_MODELS: list[type] = []  # every model a route parses itself, for the OpenA
 def parsed(model: type[M]) -> Any:
     """A dependency: the request body as `model`, parsed and validated on a prepare worker."""
     async def parse(request: Request, state: State, _: Serving) -> M:
-        raw = await request.body()  # on the loop, but only a join of the chunks already received
+        try:
+            raw = await request.body()  # on the loop, but only a join of the chunks already received
+        except ClientDisconnect:  # gone while sending it: a 499 nobody reads, not an unhandled error's 500
+            raise ClientGone() from None
         client_left.set(request.is_disconnected)  # for this request's later prepare jobs, too (tokenizing)
         return await state.preparing.run(parse_body, raw, request.headers.get("content-type"), model,
                                          state.body_limits)

@@ -193,3 +193,52 @@ def test_the_openapi_schema_still_shows_every_body(server):
         ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.rsplit("/", 1)[1] in schema["components"]["schemas"], path
     assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
+
+
+def test_a_client_gone_halfway_through_its_body_is_a_499_not_a_500(make_tiny_server):
+    # before: starlette's ClientDisconnect from request.body() was an unhandled error, a 500 and its traceback
+    import socket
+
+    server = make_tiny_server()
+    body = json.dumps(ROUTES[CHAT]).encode()
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 100}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(head + body)  # 100 bytes short
+        time.sleep(0.3)  # the route is waiting for the rest
+    deadline, metrics = time.monotonic() + 10, ""
+    while 'status="499"' not in metrics and time.monotonic() < deadline:
+        time.sleep(0.05)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert f'endpoint="{CHAT}",status="499"' in metrics and 'status="500"' not in metrics
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 16])
+def test_json_shape_reads_depth_and_list_lengths_as_the_parser_would_across_chunk_edges(monkeypatch, chunk):
+    # json_shape reads the raw bytes CHUNK at a time; with small chunks every escape, string and key crosses an edge
+    import random
+
+    import app.body
+
+    monkeypatch.setattr(app.body, "CHUNK", chunk)
+    rng = random.Random(chunk)
+    pieces = ["[", "]", "{", "}", ",", '"', "\\", '\\"', "\\\\", "a", ":", " ", "é", "😀"]
+
+    def value(depth: int):
+        roll = rng.random()
+        if depth > 5 or roll < 0.3:
+            return rng.choice([1, 2.5, None, "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))])
+        if roll < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 6))]
+        return {"".join(rng.choice('ab[,"\\') for _ in range(rng.randint(1, 3))): value(depth + 1)
+                for _ in range(rng.randint(0, 6))}
+
+    def nesting(v, depth: int = 0) -> int:
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        return depth if inner is None else max([depth + 1, *(nesting(x, depth + 1) for x in inner)])
+
+    for _ in range(200):
+        body = {key: value(1) for key in rng.sample(["messages", "tools", "input", "x"], rng.randint(0, 4))}
+        raw = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode()
+        long = {key: len(v) for key, v in body.items() if isinstance(v, (list, dict)) and len(v) > 2}
+        assert app.body.json_shape(raw, 2) == (nesting(body), long), raw

@@ -237,7 +237,10 @@ NOT_MEASURED = {
     ("configuration.md", "10%"): "the same rule, in KV_CACHE_BYTES' description",
     ("limits.md", "10%"): "the same rule, in the limits table",
     ("limits.md", "256 MiB"): "the grammar cache's byte bound, a constant in app/core/structured/grammars.py",
-    ("limits.md", "100 ms"): "bench soak's default --health-p99-ms and the adversarial test's bound",
+    ("limits.md", "100 ms"): "bench soak's default --health-p99-ms and the adversarial test's bound; the flood test's "
+                             "simulated step (STEP_S in tests/test_body_flood.py)",
+    ("limits.md", "200 ms"): "the flood test's bound on /health's p99, the Done-when of issue 34",
+    ("limits.md", "64 KiB"): "how much of a body json_shape reads at a time, CHUNK in app/body.py",
     ("deployment.md", "20 min"): "the startupProbe's budget in docker/k8s/deployment.yaml",
     ("deployment.md", "5 s"): "the preStop sleep in docker/k8s/deployment.yaml",
     ("deployment.md", "10 s"): "the margin in terminationGracePeriodSeconds, docker/k8s/deployment.yaml",
