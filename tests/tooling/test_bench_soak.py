@@ -14,9 +14,12 @@ from benchmarks import soak
 def soak_args(url: str, tmp_path, **overrides) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)
-    # /health's bound is the soak's own default on a quiet machine; here the suite shares 2 cores with itself
+    # The server here is a thread of this test's own process: its /health probes share one GIL with the soak's 4
+    # workers and its bursts of 24 client threads, and 42 probes make p99 the single worst one (a CI run saw one at
+    # 1.76 s). So the bound is loose: this test checks the soak's machinery. The server's own /health latency under a
+    # flood is asserted against a real server process in tests/server/test_body_flood.py.
     args = parser.parse_args(["--url", url, "--model", "tiny", "--minutes", "0.1", "--concurrency", "4",
-                              "--burst", "24", "--health-p99-ms", "1000", "--out", str(tmp_path / "soak.json")])
+                              "--burst", "24", "--health-p99-ms", "5000", "--out", str(tmp_path / "soak.json")])
     for name, value in overrides.items():
         setattr(args, name, value)
     return args
