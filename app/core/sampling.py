@@ -40,6 +40,10 @@ MAX_STOP_CHARS = 256  # the held-back tail is matched against every stop on each
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 MAX_TOP_LOGPROBS = 20
+# Prompt logprobs keep N + 1 entries per prompt token until the answer is sent, and their prefill computes lm_head at
+# every position: a bound on the prompt they may score (a 400 past it) and on the positions one pass scores.
+MAX_PROMPT_LOGPROBS_TOKENS = 16384
+PROMPT_LOGPROBS_CHUNK = 256  # [256, vocab] fp32 logits at most: 155 MB for Qwen's 151,936 tokens
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM: torch's generators take 64 bits
 # Dividing float32 logits by a tiny temperature or penalty overflows to inf, and softmax then gives NaN. A temperature
 # below this samples as this (vLLM does the same; the draw is all but greedy anyway); penalties must be in range.
@@ -65,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # score the prompt: each prompt token's logprob and this many alternatives
     inspect: int = 0  # > 0: record that many top candidates at every stage of the pipeline (costs time; opt-in)
     do_sample: bool = True
     preamble: Preamble | None = None  # a reasoning model's thinking: its end marker and token budget
@@ -100,6 +105,8 @@ class SamplingParams:
               f"must be at most {MAX_STOP_TOKEN_IDS} token ids")
         check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", "must fit in 64 bits")
         check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS, "prompt_logprobs",
+              f"must be in [0, {MAX_TOP_LOGPROBS}]")
         check(0 <= self.inspect <= MAX_INSPECT, "inspect", f"must be in [0, {MAX_INSPECT}] candidates")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")

@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
-from app.core.sampling import Inspection, SamplingParams, inspect_stages, make_generator, process_logits, sample
+from app.core.sampling import (MAX_PROMPT_LOGPROBS_TOKENS, Inspection, SamplingParams, inspect_stages,
+                               make_generator, process_logits, sample)
 from app.core.stopping import StopStringFilter, special_stop_ids, token_finish_reason
 from app.errors import InvalidRequest
 
@@ -33,12 +34,39 @@ class TokenEvent:
     inspection: Inspection | None = None  # each stage's top candidates, when params.inspect asks for them
     finish_reason: str | None = None  # "stop" | "length" on the last event
     stop_string: str | None = None  # the stop string (of params.stop) that ended generation, if one did
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first event, when params.prompt_logprobs asks
+
+
+@dataclass
+class PromptLogprob:
+    """How likely the model found one prompt token, given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1: the model's own first choice
+    top: list[tuple[int, float]]  # the `prompt_logprobs` most likely tokens at this position
+
+
+def score_tokens(logits: torch.Tensor, next_ids: torch.Tensor, top_n: int) -> list[PromptLogprob]:
+    """logits [n, vocab] at n positions, next_ids [n]: the token that came next at each -> each token's log
+    probability under the model's own distribution (no temperature or penalties, as OpenAI and vLLM report it)."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [n, vocab]
+    chosen = logprobs.gather(-1, next_ids[:, None])  # [n, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [n]
+    top = logprobs.topk(top_n, dim=-1) if top_n else None
+    return [PromptLogprob(token_id, logprob, rank,
+                          list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else [])
+            for i, (token_id, logprob, rank) in enumerate(zip(next_ids.tolist(), chosen[:, 0].tolist(),
+                                                              ranks.tolist()))]
 
 
 def check_request(prompt_ids: Seq[int], params: SamplingParams, vocab_size: int, max_context: int) -> int:
     """Reject what cannot run before any compute is spent; return how many tokens may be generated."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="messages")
+    if params.prompt_logprobs is not None and len(prompt_ids) > MAX_PROMPT_LOGPROBS_TOKENS:
+        raise InvalidRequest(f"prompt logprobs are served for prompts of up to {MAX_PROMPT_LOGPROBS_TOKENS} tokens; "
+                             f"this one has {len(prompt_ids)}", param="prompt_logprobs")
     params.check_vocab(vocab_size)
     room = max_context - len(prompt_ids)
     wanted = params.max_tokens if params.max_tokens is not None else room
@@ -82,6 +110,8 @@ class Sequence:
         # structured output: a grammar masks the answer's tokens (after any thinking); EOS is the grammar's to allow
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
         self.drafter = None  # an app.core.speculative.NgramDrafter when the engine speculates for this request
+        # prompt logprobs, scored chunk by chunk from the prefill's own logits; they go out with the first token
+        self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def n_generated(self) -> int:
@@ -90,6 +120,23 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.cache.get_seq_length() < self.prompt_len
+
+    def n_out(self, fed: int, drafts: int) -> int:
+        """How many logits rows a pass feeding `fed` tokens (`drafts` of them drafts) returns for this sequence:
+        one per fed position while its prompt is scored, else its last position and one per draft. Call it
+        before the pass: the pass ends the prefill it feeds."""
+        return fed if self.prefilling and self.prompt_logprobs is not None else 1 + drafts
+
+    def score_prompt(self, logits: torch.Tensor) -> torch.Tensor:
+        """After a prefill pass that returned a row per fed position: logits [fed, vocab] -> the prompt tokens'
+        logprobs are kept, and the logits of the next position are returned, [1, vocab] (what comes after the
+        prompt, once the prefill is done). The first prompt token has no logprob: nothing came before it."""
+        end = self.cache.get_seq_length()  # the positions fed were end - fed .. end - 1
+        scored = min(end, self.prompt_len - 1) - (end - len(logits))  # rows whose next token is a prompt token
+        if scored > 0:
+            next_ids = self.token_ids[0, end - len(logits) + 1 : end - len(logits) + 1 + scored]
+            self.prompt_logprobs += score_tokens(logits[:scored], next_ids, self.params.prompt_logprobs)
+        return logits[-1:]
 
     @property
     def last_token(self) -> torch.Tensor:
@@ -158,6 +205,8 @@ class Sequence:
         if self.preamble is not None:
             self.preamble.observe(token_id, self.n_generated)
         event = TokenEvent(token_id=token_id, text="")
+        if self.n_generated == 1 and self.prompt_logprobs is not None:
+            event.prompt_logprobs = self.prompt_logprobs
         if self.params.logprobs:
             logprobs = logits.log_softmax(dim=-1)[0]  # OpenAI and vLLM report the model's own distribution
             event.logprob = float(logprobs[token_id])

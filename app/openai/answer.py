@@ -52,6 +52,7 @@ class Choice:
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     parser: ToolCallParser | None = None  # set when the answer is searched for tool calls
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index, as parsed so far
+    prompt_logprobs: list | None = None  # the prompt's scores (app.core.sequence.PromptLogprob), when asked for
 
     def message(self) -> dict[str, Any]:
         """The chat `message`: a reasoning model's answer also carries its thinking, under both names; with tools,
@@ -84,6 +85,8 @@ class Choice:
 
     def add(self, event: TokenEvent, tokenizer) -> Delta:
         """Record one token event in its choice; return what it shows the client."""
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.tokens += 1
         reasoning, content = "", event.text
         if self.splitter is not None:

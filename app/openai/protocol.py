@@ -93,6 +93,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # vLLM's: prefix-cache entries are reused only among requests with the same salt (docs/api.md)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: each prompt token's logprob and this many alternatives, from the prefill itself (docs/api.md)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -119,9 +121,7 @@ class _SamplingFields(BaseModel):
                 raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
         if extra.get("tool_choice") not in (None, "none", "auto"):
             raise InvalidRequest("`tool_choice` is not supported by this server", param="tool_choice")
-        # (`True in (None, 1)` holds in Python, so `echo: true` needs its own test, not a shared "unset" tuple)
-        for name, used in (("best_of", extra.get("best_of") not in (None, 1)), ("echo", bool(extra.get("echo"))),
-                           ("suffix", bool(extra.get("suffix")))):
+        for name, used in (("best_of", extra.get("best_of") not in (None, 1)), ("suffix", bool(extra.get("suffix")))):
             if used:
                 raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
         response_format = extra.get("response_format")
@@ -134,6 +134,9 @@ class _SamplingFields(BaseModel):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def _preamble(self, reasoning: ReasoningFormat | None):
         return None  # only chat answers think
@@ -158,6 +161,7 @@ class _SamplingFields(BaseModel):
             "frequency_penalty": self.frequency_penalty, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "logprobs": logprobs, "top_logprobs": top_logprobs, "inspect": self.inspect.top if self.inspect else 0,
+            "prompt_logprobs": self._prompt_logprobs(),
             # choices of one request must differ, yet stay reproducible for a fixed seed (and inside 64 bits)
             "seed": None if self.seed is None else (self.seed + choice_index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0],
             "preamble": self._preamble(reasoning), "grammar": grammar,
@@ -246,22 +250,56 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         return template_messages(self.messages)
 
 
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Annotated[str | list[str], WithJsonSchema({"anyOf": [  # one prompt per request (see prompt_text)
-        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]})]
+    # one prompt per request (see prompt_value): text, or token ids as evaluation harnesses send them
+    prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1, "maxItems": 1}]})]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy API: the number of top alternatives
+    # the prompt comes back before the answer (with its tokens' logprobs when `logprobs` is set): how evaluation
+    # harnesses score a text; with `max_tokens: 0` nothing is generated
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)
 
     def _logprob_settings(self) -> tuple[bool, int]:
         if self.logprobs is None:
             return False, 0
         return True, self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
+    def _prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens carry logprobs like the answer's
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def score_only(self) -> bool:
+        """`max_tokens: 0`: the prompt alone is scored. The engine still picks one token from the prefill's last
+        logits (no extra pass); it is not sent or counted."""
+        return self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        if self.score_only:
+            if not (self.echo or self.prompt_logprobs is not None):
+                raise InvalidRequest("max_tokens: 0 generates nothing; it needs `echo: true` or `prompt_logprobs`",
+                                     param="max_tokens")
+            if self.n > 1:
+                raise InvalidRequest("max_tokens: 0 scores the prompt once; it takes n: 1", param="n")
+            return 1
+        return self.max_tokens
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: its text, or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
                 raise InvalidRequest("exactly one prompt per request is supported", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+            prompt = prompt[0]
+        return prompt
 
 
 class TokenizeRequest(BaseModel):

@@ -27,6 +27,7 @@ from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from app.core.structured.grammars import Grammar, Grammars
 from app.core.structured.schema_check import GrammarLimits
 from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.scoring import Echo, vllm_prompt_logprobs
 from app.openai.sse import event_stream
 from app.openai.structured import compile_client, request_grammar
 from app.openai.tools import make_parser, tool_format
@@ -74,8 +75,18 @@ class CompletionServing:
 
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        prompt_ids = await self.encode_text(body.prompt_text())
-        return await self._serve(body, request, prompt_ids, chat=False)
+        prompt = body.prompt_value()
+        prompt_ids = await self.encode_text(prompt) if isinstance(prompt, str) else self.check_prompt_ids(prompt)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return await self._serve(body, request, prompt_ids, chat=False,
+                                 echo=Echo.of(body, prompt, prompt_ids, self.lm.tokenizer))
+
+    def check_prompt_ids(self, prompt_ids: list[int]) -> list[int]:
+        if unknown := sorted({t for t in prompt_ids if t >= self.lm.vocab_size}):
+            raise InvalidRequest(f"prompt names token ids outside the vocabulary (size {self.lm.vocab_size}): "
+                                 f"{unknown[:5]}", param="prompt")
+        return prompt_ids
 
     # The template and the tokenizer take seconds on a 1 MiB body: on a prepare worker, counted (app/prepare.py).
     async def encode_messages(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
@@ -115,7 +126,7 @@ class CompletionServing:
         headers = {"x-sampling-params": sampling_header(params[0])}
         return choices, headers
 
-    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool):
+    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool, echo: Echo | None = None):
         grammar = await self.grammar(body, request) if chat else None
         choices, headers = self.start(body, request, prompt_ids, chat, grammar)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
@@ -123,10 +134,11 @@ class CompletionServing:
         request.state.request_id = response_id
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request)
+            events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request,
+                                  echo or Echo())
             return event_stream(events, headers, self.sse_send_timeout_s)
         await self.collect(choices, request)
-        return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids)),
+        return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids), echo or Echo()),
                             headers=headers)
 
     def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None) -> list[Choice]:
@@ -191,29 +203,32 @@ class CompletionServing:
                 yield choice, delta
 
     def _full_response(self, response_id: str, obj: str, chat: bool, choices: list[Choice],
-                       prompt_tokens: int) -> dict[str, Any]:
-        completion_tokens = sum(c.tokens for c in choices)
+                       prompt_tokens: int, echo: Echo) -> dict[str, Any]:
+        completion_tokens = 0 if echo.score_only else sum(c.tokens for c in choices)
         out_choices = []
         for c in choices:
-            text = "".join(c.text)
-            item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+            item: dict[str, Any] = {"index": c.index, "finish_reason": "length" if echo.score_only else c.finish_reason}
             if chat:
                 item["message"] = c.message()
                 item["logprobs"] = {"content": c.logprobs} if c.handle.params.logprobs else None
             else:
-                item["text"] = text
-                item["logprobs"] = legacy_logprobs(c.logprobs) if c.handle.params.logprobs else None
+                item["text"], item["logprobs"] = echo.text_and_logprobs(c, "".join(c.text), c.logprobs)
+                if c.handle.params.prompt_logprobs is not None:
+                    item["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, c.prompt_logprobs)
             if c.handle.params.inspect:
                 item["inspect"] = c.inspect
             out_choices.append(item)
-        return {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
-                "system_fingerprint": self.fingerprint, "choices": out_choices,
-                "usage": usage(prompt_tokens, completion_tokens, choices)}
+        out = {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
+               "system_fingerprint": self.fingerprint, "choices": out_choices,
+               "usage": usage(prompt_tokens, completion_tokens, choices)}
+        if chat and choices[0].handle.params.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, choices[0].prompt_logprobs)
+        return out
 
     # ---- streaming ----
 
     async def _stream(self, response_id: str, obj: str, chat: bool, choices: list[Choice], prompt_tokens: int,
-                      include_usage: bool, request: Request) -> AsyncIterator[dict[str, str]]:
+                      include_usage: bool, request: Request, echo: Echo) -> AsyncIterator[dict[str, str]]:
         obj = obj + ".chunk" if chat else obj
         created = now()
 
@@ -223,6 +238,7 @@ class CompletionServing:
             return {"data": json.dumps(body, ensure_ascii=False)}
 
         finished = failed = False
+        first = {c.index for c in choices}  # choices whose first delta is still to come (it carries the prompt's)
         try:
             if chat:
                 for c in choices:
@@ -231,10 +247,18 @@ class CompletionServing:
             async for c, delta in self.deltas(choices):
                 logprobs = [delta.logprobs] if delta.logprobs is not None else None
                 if not chat:
-                    payload = {"index": c.index, "text": delta.content,
-                               "logprobs": legacy_logprobs(logprobs) if logprobs else None,
-                               "finish_reason": delta.finish_reason}
+                    text, legacy = echo.text_and_logprobs(c, delta.content, logprobs or [], c.index in first)
+                    payload = {"index": c.index, "text": text, "logprobs": legacy,
+                               "finish_reason": "length" if echo.score_only else delta.finish_reason}
+                    if c.index in first and c.handle.params.prompt_logprobs is not None:
+                        payload["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, c.prompt_logprobs)
+                    first.discard(c.index)
                 else:
+                    if c.index in first and c.handle.params.prompt_logprobs is not None:
+                        extra_prompt = {"prompt_logprobs": vllm_prompt_logprobs(self.lm.tokenizer,
+                                                                                c.prompt_logprobs)}
+                        yield chunk([], **extra_prompt)
+                    first.discard(c.index)
                     if delta.reasoning:  # the thinking goes out first, in a chunk of its own
                         yield chunk([{"index": c.index, "logprobs": None, "finish_reason": None,
                                       "delta": {"reasoning_content": delta.reasoning, "reasoning": delta.reasoning}}])
@@ -252,7 +276,8 @@ class CompletionServing:
                 yield chunk([payload])
             finished = True
             if include_usage:
-                yield chunk([], usage=usage(prompt_tokens, sum(c.tokens for c in choices), choices))
+                completion_tokens = 0 if echo.score_only else sum(c.tokens for c in choices)
+                yield chunk([], usage=usage(prompt_tokens, completion_tokens, choices))
         except ServeError as err:  # after the 200: tell the client in-band, then end the stream properly
             failed = True
             log.warning("stream %s failed: %s", response_id, err.message)
@@ -334,14 +359,3 @@ def usage(prompt_tokens: int, completion_tokens: int, choices: list[Choice]) -> 
     cached = max(c.handle.cached_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The legacy completions API's column layout."""
-    offsets, position = [], 0
-    for e in entries:
-        offsets.append(position)
-        position += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}

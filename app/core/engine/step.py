@@ -36,6 +36,7 @@ from app.core.engine.prefix_cache import PrefixCache
 from app.core.speculative import NgramDrafter, accept_drafts
 from app.core.engine.tensor_parallel import Leader
 from app.core.runner.static_step import StaticDecodeStep
+from app.core.sampling import PROMPT_LOGPROBS_CHUNK
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
 
@@ -127,7 +128,9 @@ class StepRunner:
         prefilling = [(handle, seq) for handle, seq in running if seq.prefilling]
         shares = share_prefill(self.prefill_tokens_per_step,
                                [seq.prompt_len - seq.cache.get_seq_length() for _, seq in prefilling])
-        chunks = {handle: n for (handle, _), n in zip(prefilling, shares)}
+        # a prompt being scored computes lm_head at each position it feeds: its chunks are capped, and so its logits
+        chunks = {handle: min(n, PROMPT_LOGPROBS_CHUNK) if seq.prompt_logprobs is not None else n
+                  for (handle, seq), n in zip(prefilling, shares)}
         work = []
         for handle, seq in running:
             drafts: list[int] = []
@@ -192,10 +195,14 @@ class StepRunner:
     def _forward_and_choose(self, group: list[Work]) -> list[Emitted]:
         """One forward pass and the step's tokens. Its logits have one row per request, or 1 + k for a request
         verifying k drafts; single rows are chosen together, drafts are checked request by request."""
+        n_out = [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group]  # before the pass moves the caches on
         logits = self._forward(group) if self.leader is None else self.leader.forward(group, self._forward)
         singles, single_rows, events, row, prompts_done = [], [], [], 0, 0
-        for handle, seq, n, drafts in group:
-            rows, row = slice(row, row + 1 + len(drafts)), row + 1 + len(drafts)
+        for (handle, seq, n, drafts), k in zip(group, n_out):
+            rows, row = slice(row, row + k), row + k
+            if seq.prompt_logprobs is not None and seq.n_generated == 0:
+                seq.score_prompt(logits[rows])  # the prompt's own logprobs, from this prefill pass
+                rows = slice(rows.stop - 1, rows.stop)  # its last position's row chooses the first token
             if seq.prefilling:
                 continue  # a prefill chunk that was not the prompt's last: no token yet
             if seq.n_generated == 0:
@@ -224,14 +231,14 @@ class StepRunner:
     def _forward(self, group: list[Work]) -> torch.Tensor:
         """Logits at each row's last fed position, or its last 1 + k to verify k drafts (app/core/runner/forward.py)."""
         logits, path = run_pass(self.lm.model, [(seq, n) for _, seq, n, _ in group],
-                                [1 + len(drafts) for *_, drafts in group], self.static_decode)
+                                [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group], self.static_decode)
         if all(n == 1 and not seq.prefilling for _, seq, n, _ in group):
             self.metrics.decode_steps.labels(path=path).inc()
         return logits
 
     def _reuse_prefix(self, handle: RequestHandle, seq: Sequence) -> None:
         """Start a new request from the cached KV of the longest cached prefix of its prompt, if any."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.prompt_logprobs is not None:  # a scored prompt needs every position
             return
         self.metrics.prefix_cache_queried.inc(seq.prompt_len)
         blocks = self.prefix_cache.match(handle.prompt_ids, handle.params.cache_salt)

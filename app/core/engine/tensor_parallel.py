@@ -79,7 +79,7 @@ class Leader:
             new = handle not in self._keys
             key = self._keys.setdefault(handle, next(self._next_key))
             start = seq.cache.get_seq_length()
-            rows.append((key, start, seq.token_ids[0, start : start + n].tolist(), 1 + len(drafts), seq.length,
+            rows.append((key, start, seq.token_ids[0, start : start + n].tolist(), seq.n_out(n, len(drafts)), seq.length,
                          (seq.prompt_len, seq.token_ids.shape[1]) if new else None))
         ended, self._ended = self._ended, []
         try:
