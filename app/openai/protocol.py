@@ -66,6 +66,24 @@ class InspectOptions(BaseModel):
     top: int = Field(default=10, ge=1, le=MAX_INSPECT)
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the answer (app/openai/structured.py compiles it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema (or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None  # EBNF as xgrammar reads it; llama.cpp's GBNF is the same notation
+
+
+class TGIGrammar(BaseModel):
+    """TGI's `grammar` field: {"type": "json" | "regex", "value": schema or pattern}."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json", "json_object", "regex"]
+    value: dict[str, Any] | str
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and legacy completions. SamplingParams checks them again (for the CLI and the model's
     own defaults); the bounds here are the same numbers, stated for the OpenAPI schema."""
@@ -93,6 +111,16 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # vLLM's: prefix-cache entries are reused only among requests with the same salt (docs/api.md)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # constraints on the answer, as each peer spells them (docs/tools-and-structured-outputs.md): vLLM's
+    # `structured_outputs` and its older `guided_*` fields; llama.cpp's `grammar` (GBNF) and `json_schema`; TGI's
+    # `grammar` object
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    grammar: str | TGIGrammar | None = None
+    json_schema: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives, from the prefill itself (docs/api.md)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

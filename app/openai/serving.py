@@ -101,8 +101,8 @@ class CompletionServing:
         if model != self.model_id:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
-    async def grammar(self, body: ChatCompletionRequest, request: Request | None = None) -> Grammar | None:
-        """The compiled constraint a chat request asks for, if any: compiled in a worker process with a deadline
+    async def grammar(self, body, request: Request | None = None) -> Grammar | None:
+        """The compiled constraint a request asks for, if any: compiled in a worker process with a deadline
         (tens of ms for a typical new schema, a dict lookup for a cached one), never on the event loop."""
         client = compile_client(request, self.grammar_client_header)
         return await request_grammar(self.grammars, body, self.tool_format, client)
@@ -127,7 +127,7 @@ class CompletionServing:
         return choices, headers
 
     async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool, echo: Echo | None = None):
-        grammar = await self.grammar(body, request) if chat else None
+        grammar = await self.grammar(body, request)
         choices, headers = self.start(body, request, prompt_ids, chat, grammar)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         response_id = new_id(kind[0])

@@ -1,4 +1,6 @@
-"""What a chat request asks the grammar to enforce: a `response_format`, or the forced tool calls of `tool_choice`.
+"""What a request asks the grammar to enforce: a constraint in one of the peers' spellings (vLLM's
+`structured_outputs` and `guided_*`, llama.cpp's `grammar` and `json_schema`, TGI's `grammar`: a JSON schema, a
+regex, a choice of strings, or an EBNF grammar), a chat `response_format`, or the forced tool calls of `tool_choice`.
 
   * `{"type": "json_object"}` -> any JSON object (the schema `{"type": "object"}`, as vLLM maps it);
   * `{"type": "json_schema", "json_schema": {"schema": ...}}` -> that schema;
@@ -19,6 +21,7 @@ from starlette.requests import Request
 
 from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars
 from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
+from app.errors import InvalidRequest
 from app.openai.tools.wire import ResponseFormat, Tool
 
 # Each call's text around its arguments, by tool-call format (see app/openai/tools/).
@@ -29,7 +32,14 @@ CALL_SHAPES = {
 
 
 async def request_grammar(grammars: Grammars, body, tool_format: str | None, client: str) -> Grammar | None:
-    """The grammar of a chat request (a ChatCompletionRequest), if it asks for one, compiled for `client`."""
+    """The grammar of a chat or text completion request, if it asks for one, compiled for `client`."""
+    if (constraint := request_constraint(body)) is not None:
+        kind, spec, param = constraint
+        if kind == "json_schema":
+            return await grammars.json_schema_async(spec, param=param, client=client)
+        return await grammars.text_async(kind, spec, param, client=client)
+    if not hasattr(body, "forced_tools"):  # text completions have neither tools nor response_format
+        return None
     if body.forced_tools:
         tag = await asyncio.to_thread(forced_tool_tag, tool_format, body.forced_tools, body.parallel_tool_calls,
                                       grammars.limits)
@@ -37,6 +47,55 @@ async def request_grammar(grammars: Grammars, body, tool_format: str | None, cli
     if body.json_format:
         return await grammars.json_schema_async(response_schema(body.response_format), client=client)
     return None
+
+
+def request_constraint(body) -> tuple[str, Any, str] | None:
+    """The one constraint the request's peer-spelled fields ask for: (kind, spec, the field it came from), kind
+    being "json_schema", "regex" or "grammar"; None if none is set. Two at once is a 400 naming both."""
+    found: list[tuple[str, Any, str]] = []
+    if (so := body.structured_outputs) is not None:
+        set_ = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                  ("grammar", so.grammar)) if value is not None]
+        if len(set_) != 1:
+            raise InvalidRequest("structured_outputs takes exactly one of json, regex, choice, grammar; got "
+                                 f"{', '.join(n for n, _ in set_) or 'none'}", param="structured_outputs")
+        found.append(_constraint(*set_[0], f"structured_outputs.{set_[0][0]}"))
+    for name in ("json", "regex", "choice", "grammar"):  # vLLM's older spelling
+        if (value := getattr(body, f"guided_{name}")) is not None:
+            found.append(_constraint(name, value, f"guided_{name}"))
+    if isinstance(body.grammar, str):  # llama.cpp: a GBNF grammar
+        found.append(("grammar", body.grammar, "grammar"))
+    elif body.grammar is not None:  # TGI: {"type": "json" | "regex", "value": ...}
+        found.append(_constraint("regex" if body.grammar.type == "regex" else "json", body.grammar.value,
+                                 "grammar.value"))
+    if body.json_schema is not None:  # llama.cpp
+        found.append(("json_schema", body.json_schema, "json_schema"))
+    if getattr(body, "json_format", False) or getattr(body, "forced_tools", None):
+        found.append(("response_format", None, "response_format"))
+    if len(found) > 1:
+        raise InvalidRequest(f"one constraint per request: `{found[0][2]}` and `{found[1][2]}` are both set",
+                             param=found[1][2])
+    return found[0] if found and found[0][0] != "response_format" else None
+
+
+def _constraint(name: str, value: Any, param: str) -> tuple[str, Any, str]:
+    if name == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as err:
+                raise InvalidRequest(f"`{param}` is not a JSON schema: {err}", param=param) from None
+        return "json_schema", value, param
+    if name == "choice":
+        return "grammar", choice_grammar(value, param), param
+    return name, value, param
+
+
+def choice_grammar(choices: list[str], param: str) -> str:
+    """An EBNF grammar whose only sentences are the given strings (JSON string escapes are EBNF's too)."""
+    if not choices:
+        raise InvalidRequest(f"`{param}` needs at least one choice", param=param)
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def response_schema(response_format: ResponseFormat) -> dict[str, Any]:

@@ -170,6 +170,10 @@ def _serve(memory_bytes: int) -> None:
             if request["kind"] == "json_schema":
                 compiled = compiler.compile_json_schema(request["spec"], any_whitespace=True, strict_mode=False,
                                                         max_whitespace_cnt=request["max_whitespace"])
+            elif request["kind"] == "regex":
+                compiled = compiler.compile_regex(json.loads(request["spec"]))
+            elif request["kind"] == "grammar":
+                compiled = compiler.compile_grammar(json.loads(request["spec"]))
             else:
                 compiled = compiler.compile_structural_tag(request["spec"])
             write_frame(out, OK + compiled.serialize_json().encode())

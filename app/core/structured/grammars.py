@@ -35,11 +35,12 @@ import torch
 
 from app.core.structured.fair_queue import FairQueue
 from app.core.structured.grammar_compile import CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout
-from app.core.structured.schema_check import GrammarLimits, check_schema
+from app.core.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
 from app.errors import InvalidRequest, Overloaded
 
 MAX_WHITESPACE = 4  # at most this many whitespace characters in a row between JSON tokens
 CACHE_SIZE = 128  # compiled grammars kept; a compiled JSON schema is tens of KB to a few MB
+MAX_CONSTRAINT_CHARS = 65536  # a request's regex or EBNF grammar
 CACHE_BYTES = 256 * 2**20  # and at most this much of them (xgrammar's own count of a compiled grammar's memory)
 
 
@@ -143,6 +144,20 @@ class Grammars:
         schemas inside it are checked by whoever builds it (app/openai/structured.py)."""
         return self._compile("structural_tag", tag, param)
 
+    def regex(self, pattern: str, param: str = "structured_outputs.regex") -> Grammar:
+        check_text("regex", pattern, param, self.limits)
+        return self._compile("regex", pattern, param)
+
+    def grammar(self, ebnf: str, param: str = "structured_outputs.grammar") -> Grammar:
+        """An EBNF grammar as xgrammar reads it (llama.cpp's GBNF is the same notation), starting at `root`."""
+        check_text("grammar", ebnf, param, self.limits)
+        return self._compile("grammar", ebnf, param)
+
+    async def text_async(self, kind: str, text: str, param: str, client: str = "") -> Grammar:
+        """A regular expression (`kind` "regex") or an EBNF grammar ("grammar"), as the plain methods, for the event
+        loop: checked, looked up and compiled off it, in turn per client."""
+        return await self._compile_async(kind, text, param, check=True, client=client)
+
     # `client`: whose compile this is (the HTTP layer decides what a client is); compiles are bounded and served
     # in turn per client.
     async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format",
@@ -153,11 +168,13 @@ class Grammars:
                                    client: str = "") -> Grammar:
         return await self._compile_async("structural_tag", tag, param, check=False, client=client)
 
-    async def _compile_async(self, kind: str, spec: dict[str, Any], param: str, check: bool,
+    async def _compile_async(self, kind: str, spec: dict[str, Any] | str, param: str, check: bool,
                              client: str = "") -> Grammar:
         def lookup() -> tuple[str, Grammar | None]:  # a walk over the schema: cheap, but not for the event loop
-            if check:
+            if check and kind == "json_schema":
                 check_schema(spec, param, limits=self.limits)
+            elif check:
+                check_text(kind, spec, param, self.limits)
             key = self._key(kind, spec)
             return key, self._lookup(key, param)
 
@@ -187,7 +204,7 @@ class Grammars:
                 self._per_client[client] = left
 
     @staticmethod
-    def _key(kind: str, spec: dict[str, Any]) -> str:
+    def _key(kind: str, spec: dict[str, Any] | str) -> str:
         # Exactly what is compiled: key order matters, since the grammar writes properties in the schema's order.
         return kind + ":" + json.dumps(spec, ensure_ascii=False)
 
@@ -212,7 +229,7 @@ class Grammars:
                 self._workers = CompilePool(self._info.serialize_json(), self.limits.workers,
                                             self.limits.memory_bytes)
         request = {"kind": kind, "spec": key.split(":", 1)[1], "max_whitespace": MAX_WHITESPACE}
-        what = kind.replace("_", " ")
+        what = {"grammar": "EBNF grammar"}.get(kind, kind.replace("_", " "))
         try:
             compiled = xgr.CompiledGrammar.deserialize_json(
                 self._workers.compile(request, self.limits.compile_timeout_s), self._info)
@@ -240,6 +257,20 @@ class Grammars:
         self._threads.shutdown()
         if self._workers is not None:
             self._workers.close()
+
+
+def check_text(kind: str, text: str, param: str, limits: GrammarLimits) -> None:
+    """Refuse a regex or grammar that is empty, longer than MAX_CONSTRAINT_CHARS, or (a regex) repeats a piece more
+    often than a JSON schema's pattern may: what the compile would spend before its deadline stopped it."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidRequest(f"the {kind} in `{param}` is empty", param=param)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"the {kind} in `{param}` has {len(text):,} characters; at most {MAX_CONSTRAINT_CHARS:,}",
+                             param=param, code="grammar_too_complex")
+    if kind == "regex" and (repeat := pattern_repeat(text)) > limits.max_repeat:
+        raise InvalidRequest(f"the regex in `{param}` repeats up to {repeat:,} times; at most {limits.max_repeat:,} "
+                             "(GRAMMAR_MAX_REPEAT), counting nested repetitions multiplied", param=param,
+                             code="grammar_too_complex")
 
 
 def library_message(err: Exception) -> str:
