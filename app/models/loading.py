@@ -25,7 +25,8 @@ from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
-from app.models.prepack import PrepackFailed, measure_packing, prepack_linears
+from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
+                                save_choice)
 from app.models.quant import dynamic_int8_supported, quantize_linears
 
 log = logging.getLogger("app.models.loading")
@@ -36,6 +37,7 @@ GENERATION_CONFIG_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p",
 # fp32 prepacking's copies are the linears' size again; past this share of the RAM left after loading, `auto`
 # leaves them out rather than squeeze the KV budget (half of what is left then) and everything else.
 FP32_COPY_RAM_FRACTION = 0.5
+PREPACK_CHOICES = "prepack-choices.json"  # in the model cache: the measured bf16 prepack choice per model and CPU
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -174,7 +176,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         quantize_linears(model, quant)  # every linear, lm_head included; nothing is left for prepack below
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
-        prepack_state = _prepack(model, prepack, torch_device, torch_dtype)
+        prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
+                                 choice_key(name_or_path, torch_dtype))
     log.info("prepack %s", prepack_state)
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)
@@ -189,7 +192,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                        prepack=prepack_state, ranks=ranks)
 
 
-def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
+def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype, choices: Path | None = None,
+             key: str = "") -> str:
     """Prepack where it runs: bf16 in place where it measures faster (app/models/prepack.py),
     fp32 as a copy for the engine's batched rows (app/models/batch_rows.py); returns what was done, for the log,
     /ready and /v1/models."""
@@ -200,16 +204,25 @@ def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype) -> str:
     elif dtype == torch.float32:
         return _pack_fp32_copies(model, strict=mode == "true")
     else:
-        return _pack_bf16(model, mode)
+        return _pack_bf16(model, mode, choices, key)
     if device.type == "cpu" and dtype == torch.float32:
         use_batch_rows(model, packed=False)  # a batch's wide linears as `W @ x.T`, which needs no copy
     return state
 
 
-def _pack_bf16(model, mode: str) -> str:
-    """PREPACK=true: every linear; auto: the shapes whose packed kernel measured faster here (app/models/prepack.py)."""
+def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "") -> str:
+    """PREPACK=true: every linear; auto: the shapes whose packed kernel measured faster here (app/models/prepack.py).
+    The measurement is kept in `choices` (in the model cache): a restart on the same CPU packs the same layers,
+    whatever else the machine is doing while it starts."""
     only, measured = None, ""
-    if mode == "auto" and (timings := measure_packing(model)):
+    timings = load_choice(choices, key) if mode == "auto" else None
+    if timings is None and mode == "auto":
+        timings = measure_packing(model)
+        save_choice(choices, key, timings)
+    elif timings is not None:
+        log.info("prepack: the choice measured at an earlier start on this CPU (%s; delete it to measure again)",
+                 choices)
+    if mode == "auto" and timings:
         wins = {(t.in_features, t.out_features) for t in timings if t.packs}
         only = lambda linear: (linear.in_features, linear.out_features) in wins  # noqa: E731
         measured = "; ".join(t.describe() for t in timings)

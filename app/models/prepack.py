@@ -28,16 +28,19 @@ stays plain too: the embedding needs it in the plain layout, so a packed copy wo
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from app.models.cpu import prepack_support
+from app.models.cpu import cpu_features, prepack_support
 
 log = logging.getLogger("app.models.prepack")
 
@@ -228,3 +231,43 @@ def decode_bytes_per_step(model: nn.Module) -> int:
         if hasattr(module, "weight_bytes"):  # prepacked or int8 (app/models/quant.py): not plain parameters
             sizes[id(module)] = module.weight_bytes
     return sum(sizes.values())
+
+
+# ---- the choice, kept: measured once per model, CPU and torch, then the same at every start ----
+
+def choice_key(model_name: str, dtype: torch.dtype) -> str:
+    """What the measured choice depends on: the model, the CPU (and what torch may use of it), torch and oneDNN."""
+    cpu = cpu_features()
+    return (f"{model_name}|{cpu.describe()}|{','.join(sorted(cpu.flags))}|torch {torch.__version__}|"
+            f"{str(dtype).removeprefix('torch.')}")
+
+
+def load_choice(path: Path | None, key: str) -> list[PackTiming] | None:
+    """The timings measured at an earlier start for this key, or None. An unreadable file is ignored: the choice is
+    then measured again."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        kept = json.loads(path.read_text()).get(key)
+        return None if kept is None else [PackTiming(t["in"], t["out"], tuple(t["rows"]), tuple(t["plain_ms"]),
+                                                     tuple(t["packed_ms"])) for t in kept]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        log.warning("prepack: could not read the kept choice in %s; measuring again", path)
+        return None
+
+
+def save_choice(path: Path | None, key: str, timings: list[PackTiming]) -> None:
+    """Keep this start's timings for the next starts (best effort: a read-only cache just measures each start)."""
+    if path is None:
+        return
+    try:
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        kept[key] = [{"in": t.in_features, "out": t.out_features, "rows": list(t.rows),
+                      "plain_ms": list(t.plain_ms), "packed_ms": list(t.packed_ms)} for t in timings]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1))
+        tmp.replace(path)  # atomic: a second server starting at once reads the old file or the new one
+    except (OSError, ValueError) as err:
+        log.warning("prepack: could not keep the measured choice in %s (%s); the next start measures again",
+                    path, err)
