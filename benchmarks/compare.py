@@ -38,6 +38,9 @@ SERVERS = ("ours", "ours-int8", "ours-compiled", "llama.cpp", "transformers", "t
 COMPILED = ("DECODE_STEP=compiled", "PREPACK=false")
 
 
+MIXED, MIXED_STREAMS = "mixed, 4 streams", 4
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or a local HF directory")
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, from {', '.join(SERVERS)}")
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="streams in the loaded scenario")
     parser.add_argument("--single-requests", type=int, default=6, help="requests in the 1-stream scenario")
     parser.add_argument("--loaded-requests", type=int, default=32, help="requests in the loaded scenario")
+    parser.add_argument("--mixed-requests", type=int, default=0,
+                        help="after the scenarios, a mixed workload of this many requests at 4 streams (prompts "
+                             "100-1,500 tokens, answers up to 600): total wall time, tokens/s, TTFT p50/p90 per server")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", default="0", help="0 (default): greedy; 'none': each server's model defaults")
@@ -94,13 +100,13 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float, log:
 
 
 def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: int, requests: int,
-              seed: int) -> argparse.Namespace:
+              seed: int, mixed: bool = False) -> argparse.Namespace:
     """`seed`: the first prompt's; the warm-up and each scenario take their own, so no scenario repeats a prompt
     that a server's prompt cache (ours, llama.cpp's) has already seen whole."""
     return argparse.Namespace(url=url, model=model_id, concurrency=concurrency, requests=requests,
                               prompt_len=args.prompt_len, max_tokens=args.max_tokens, stream=True,
                               ignore_eos=args.ignore_eos, api_key=None, timeout=600.0, seed=seed, tokenizer=None,
-                              temperature=args.temperature)
+                              temperature=args.temperature, mixed=mixed)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -131,6 +137,8 @@ def run(args: argparse.Namespace) -> dict:
     crashed: dict[str, str] = {}  # kind -> how it died
     scenarios = {"1 stream": (1, args.single_requests),
                  f"{args.concurrency} streams": (args.concurrency, args.loaded_requests)}
+    if args.mixed_requests > 0:  # the mixed workload: every server gets the same prompts and answer lengths
+        scenarios[MIXED] = (MIXED_STREAMS, args.mixed_requests)
     results: dict[str, dict[str, dict]] = {name: {} for name in scenarios}
     try:
         for kind in kinds:
@@ -151,7 +159,8 @@ def run(args: argparse.Namespace) -> dict:
             for kind, (proc, url) in procs.items():
                 print(f"{name}: {kind} ...", flush=True)
                 figures = _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), concurrency,
-                                                                        requests, seed=1000 * index), crashed)
+                                                                        requests, seed=1000 * index,
+                                                                        mixed=name == MIXED), crashed)
                 results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
         if lengths:  # while every server is still up: no extra start
             by_length = prompt_lengths.measure_all(procs, crashed, str(model_dir), args, length_prompts)
@@ -170,8 +179,23 @@ def run(args: argparse.Namespace) -> dict:
     print_comparison(report)
     if lengths:
         prompt_lengths.print_table(report)
+    if MIXED in results:
+        print_mixed(results[MIXED])
     print(f"wrote {out}")
     return report
+
+
+def print_mixed(by_server: dict[str, dict]) -> None:
+    """The mixed workload's table: whoever finishes the same work first, and how long first tokens waited."""
+    print(f"\n{MIXED}: same prompts and answer lengths for every server")
+    print(f"{'server':<18}{'wall s':>9}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p90':>10}")
+    for kind, r in by_server.items():
+        if "crashed" in r or not r.get("requests", {}).get("succeeded"):
+            print(f"{kind:<18}{'failed':>9}")
+            continue
+        ttft = r["ttft_s"]
+        print(f"{kind:<18}{r['wall_time_s']:>9.1f}{r['output_tokens_per_s']['aggregate']:>9.1f}"
+              f"{(ttft['p50'] or 0) * 1e3:>8.0f}ms{(ttft['p90'] or 0) * 1e3:>8.0f}ms")
 
 
 def ratios(results: dict[str, dict[str, dict]]) -> dict:

@@ -61,6 +61,20 @@ PASSAGES_ZH = [
 ]
 
 
+MIXED_PROMPT_LENS = (100, 1500)  # tokens, uniform per request
+MIXED_MAX_TOKENS = (16, 600)
+
+
+def mixed_workload(requests: int, seed: int,
+                   count_tokens: Callable[[str], float] | None = None) -> tuple[list[str], list[int]]:
+    """Prompts of mixed lengths with answers of mixed lengths, the same for every server given the same seed: how
+    a chat service's traffic looks, rather than N equal requests."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*MIXED_PROMPT_LENS) for _ in range(requests)]
+    answers = [rng.randint(*MIXED_MAX_TOKENS) for _ in range(requests)]
+    return [build_prompt(n, seed + i, count_tokens) for i, n in enumerate(lengths)], answers
+
+
 def estimate_tokens(text: str) -> float:
     """Rough token count: ~1.5 chars/token for CJK, ~4 chars/token otherwise."""
     cjk = sum(1 for ch in text if "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef")
@@ -189,7 +203,8 @@ def request_kwargs(body: dict | bytes) -> dict:
 
 def _stats(values: list[float]) -> dict:
     mean = sum(values) / len(values) if values else None
-    return {"mean": mean, "p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
+    return {"mean": mean, "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+            "n": len(values)}
 
 
 def summarize(results: list[Result], wall: float, config: dict) -> dict:
@@ -222,7 +237,8 @@ def summarize(results: list[Result], wall: float, config: dict) -> dict:
     }
 
 
-async def _run_async(args, prompts: list[str]) -> tuple[list[Result], float]:
+async def _run_async(args, prompts: list[str], max_tokens: list[int] | None = None) -> tuple[list[Result], float]:
+    """`max_tokens`: each request's own (the mixed workload), else args.max_tokens for all."""
     base = args.url.rstrip("/")
     url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -230,9 +246,9 @@ async def _run_async(args, prompts: list[str]) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), headers=headers, limits=limits) as client:
-        async def task(prompt: str) -> Result:
+        async def task(prompt: str, limit: int) -> Result:
             body = {"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": args.max_tokens, "stream": args.stream}
+                    "max_tokens": limit, "stream": args.stream}
             if temperature is not None:
                 body["temperature"] = temperature
             if args.stream:
@@ -243,7 +259,8 @@ async def _run_async(args, prompts: list[str]) -> tuple[list[Result], float]:
                 return await _one_request(client, url, body, args.stream)
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(task(p) for p in prompts))
+        limits_ = max_tokens or [args.max_tokens] * len(prompts)
+        results = await asyncio.gather(*(task(p, n) for p, n in zip(prompts, limits_)))
         return list(results), time.perf_counter() - t0
 
 
@@ -299,6 +316,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    parser.add_argument("--mixed", action="store_true",
+                        help=f"mixed workload: each prompt {MIXED_PROMPT_LENS[0]}-{MIXED_PROMPT_LENS[1]} tokens and "
+                             f"each answer up to {MIXED_MAX_TOKENS[1]} tokens, drawn per request from --seed "
+                             "(ignores --prompt-len and --max-tokens)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer for exact prompt lengths (optional)")
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/serve-<timestamp>.json)")
 
@@ -323,12 +344,15 @@ def measure(args, prompts: list[str] | None = None) -> dict:
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
         count_tokens = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    max_tokens = None
+    if getattr(args, "mixed", False) and prompts is None:
+        prompts, max_tokens = mixed_workload(args.requests, args.seed, count_tokens)
     if prompts is None:
         prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
-    results, wall = asyncio.run(_run_async(args, prompts))
-    config = {k: getattr(args, k) for k in
+    results, wall = asyncio.run(_run_async(args, prompts, max_tokens))
+    config = {k: getattr(args, k, None) for k in
               ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed",
-               "temperature")}
+               "temperature", "mixed")}
     return summarize(results, wall, config)
 
 

@@ -138,7 +138,7 @@ def test_streaming_metrics_errors_and_request_shape(fake, tmp_path, capsys):
     assert json.loads((tmp_path / "out.json").read_text()) == res
     assert res["config"] == {"url": url, "model": "fake-model", "concurrency": 3, "requests": 8, "prompt_len": 64,
                              "max_tokens": COMPLETION_TOKENS, "stream": True, "ignore_eos": True, "seed": 0,
-                             "temperature": "0"}
+                             "temperature": "0", "mixed": False}
     table = capsys.readouterr().out
     assert "requests ok / failed" in table and "6 / 2" in table and "engine died" in table
 
@@ -198,3 +198,18 @@ def test_parse_sse_line():
     assert parse_sse_line("event: error") == ("event", "error")
     assert parse_sse_line('data: {"a": 1}') == ("data", '{"a": 1}')
     assert parse_sse_line("data:[DONE]") == ("data", "[DONE]")
+
+
+def test_mixed_workload_sends_the_same_mixed_prompts_and_answer_lengths_for_a_seed(fake, tmp_path):
+    url, state = fake
+    res = _bench(url, tmp_path, "--stream", "--mixed", "--requests", "6", "--concurrency", "4", "--seed", "3")
+    first = [(len(b["messages"][0]["content"]), b["max_tokens"]) for b in state["bodies"]]
+    state["bodies"].clear()
+    _bench(url, tmp_path, "--stream", "--mixed", "--requests", "6", "--concurrency", "4", "--seed", "3")
+    assert sorted(first) == sorted((len(b["messages"][0]["content"]), b["max_tokens"]) for b in state["bodies"])
+    answers = [n for _, n in first]
+    assert all(16 <= n <= 600 for n in answers) and len(set(answers)) > 1  # mixed, within the bounds
+    prompts = [estimate_tokens(b["messages"][0]["content"]) for b in state["bodies"]]
+    assert all(100 <= p < 1700 for p in prompts) and max(prompts) - min(prompts) > 100
+    assert res["config"]["mixed"] is True and res["ttft_s"]["p90"] is not None
+    assert state["max_inflight"] <= 4
