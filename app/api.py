@@ -102,10 +102,10 @@ Embedding = Annotated[EmbeddingServing, Depends(get_embedding_serving)]
 BODY_MODELS: list[type] = []  # every model a route parses itself, for the OpenAPI schema's components
 
 
-def parsed(model: type[M], serving: Any = Serving) -> Any:
+def parsed(model: type[M], serving: Any = get_serving) -> Any:
     """A dependency: the request body as `model`, parsed and validated on a prepare worker, once `serving` (the
     checks that this model serves the route and is ready) has passed."""
-    async def parse(request: Request, state: State, _: serving) -> M:
+    async def parse(request: Request, state: State, _: Any = Depends(serving)) -> M:
         try:
             raw = await request.body()  # on the loop, but only a join of the chunks already received
         except ClientDisconnect:  # gone while sending it: a 499 nobody reads, not an unhandled error's 500
@@ -133,9 +133,9 @@ MessagesBody = Annotated[MessagesRequest, parsed(MessagesRequest)]
 CountTokensBody = Annotated[CountTokensRequest, parsed(CountTokensRequest)]
 TokenizeBody = Annotated[TokenizeRequest, parsed(TokenizeRequest)]
 DetokenizeBody = Annotated[DetokenizeRequest, parsed(DetokenizeRequest)]
-EmbeddingBody = Annotated[EmbeddingRequest, parsed(EmbeddingRequest, Embedding)]
-RerankBody = Annotated[RerankRequest, parsed(RerankRequest, Embedding)]
-ScoreBody = Annotated[ScoreRequest, parsed(ScoreRequest, Embedding)]
+EmbeddingBody = Annotated[EmbeddingRequest, parsed(EmbeddingRequest, get_embedding_serving)]
+RerankBody = Annotated[RerankRequest, parsed(RerankRequest, get_embedding_serving)]
+ScoreBody = Annotated[ScoreRequest, parsed(ScoreRequest, get_embedding_serving)]
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
 WEB_DIR = Path(__file__).parent / "web"  # the playground's static files, shipped in the package (main.py mounts them)
