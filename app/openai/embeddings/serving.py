@@ -106,6 +106,9 @@ class EmbeddingServing:
         if len(inputs) > MAX_INPUTS:
             raise InvalidRequest(f"`{param}` has {len(inputs):,} inputs; at most {MAX_INPUTS:,} are accepted per "
                                  "request", param=param, code="too_many_items")
+        if truncate is not None and not (truncate == -1 or truncate >= 1):
+            raise InvalidRequest("`truncate_prompt_tokens` must be -1 (the model's limit) or at least 1",
+                                 param="truncate_prompt_tokens")
         if truncate is not None and truncate > limit:
             raise InvalidRequest(f"`truncate_prompt_tokens` is {truncate}; {self.model_id} takes at most {limit} "
                                  "tokens per input", param="truncate_prompt_tokens")
