@@ -93,7 +93,7 @@ class ServerState:
     async def _load_embedding(self, loader) -> None:
         """The pooling model's own worker (app/core/engine/embedding.py), then one warm-up pass."""
         s = self.settings
-        self.engine = EmbeddingEngine(loader, max_requests=s.max_active + s.max_queue)
+        self.engine = EmbeddingEngine(loader, max_requests=s.max_active + s.max_queue, metrics=self.metrics)
         self.engine.start()
         await asyncio.to_thread(self.engine.loaded.wait)
         if self.engine.load_error is not None:

@@ -49,7 +49,7 @@ class EmbeddingEngine:
     the same reason: torch's thread pool runs faster in the thread that first used it)."""
 
     def __init__(self, model: Any | Callable[[], Any], max_requests: int = 64,
-                 tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH):
+                 tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH, metrics: Any = None):
         self._load = model if callable(model) else (lambda: model)
         self.lm = None
         self.loaded = threading.Event()
@@ -59,6 +59,7 @@ class EmbeddingEngine:
         self.max_requests = max_requests
         self.tokens_per_batch = tokens_per_batch
         self.passes = 0  # batches run, for tests and the log
+        self.metrics = metrics  # its queue_depth gauge: what the k8s HPA scales on, for this engine too
         self._queue: deque[EmbeddingJob] = deque()
         self._running = 0  # requests whose rows are in the pass now running
         self._wake = threading.Condition()
@@ -106,6 +107,7 @@ class EmbeddingEngine:
                 raise Overloaded(f"server is at capacity ({self.max_requests} embedding requests queued); "
                                  "retry shortly")
             self._queue.append(job)
+            self._show_queue()
             self._wake.notify()
         return await job.future
 
@@ -150,8 +152,13 @@ class EmbeddingEngine:
                 if job.next_row < len(job.rows):
                     break  # the budget is spent; keep order: no later request's rows jump ahead
             self._prune()  # the requests fully taken: their vectors come from this pass
+            self._show_queue()
             self._running = len({id(job) for job, _ in batch})
             return batch
+
+    def _show_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._queue))
 
     def _prune(self) -> None:
         """Keep only requests with rows left to take and a client still waiting (call with the lock held)."""
