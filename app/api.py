@@ -82,8 +82,9 @@ def check_ready(state: ServerState) -> None:
 
 def get_serving(state: State) -> CompletionServing:
     if state.kind == "embedding":
+        served = state.embedding.endpoints if state.embedding else EMBEDDING_ENDPOINTS
         raise InvalidRequest(f"{state.settings.model_id} is an embedding model: it serves "
-                             f"{', '.join(EMBEDDING_ENDPOINTS)}, not chat or text generation", param="model",
+                             f"{', '.join(served)}, not chat or text generation", param="model",
                              code="unsupported_endpoint")
     check_ready(state)
     return state.serving
@@ -202,9 +203,12 @@ async def list_models(state: State) -> dict:
     embedding = state.kind == "embedding"
     model = {"id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
              "max_model_len": lm.max_context if lm else state.settings.max_model_len, **state.model_info,
-             "endpoints": EMBEDDING_ENDPOINTS if embedding else CHAT_ENDPOINTS}
+             "endpoints": CHAT_ENDPOINTS}
+    if embedding:
+        model["endpoints"] = state.embedding.endpoints if state.embedding else EMBEDDING_ENDPOINTS
     if lm and embedding:
-        model["dimensions"] = lm.dimensions
+        if not lm.scores_pairs:
+            model["dimensions"] = lm.dimensions
     elif lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
     return {"object": "list", "data": [model]}

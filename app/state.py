@@ -102,7 +102,8 @@ class ServerState:
         if self.lm.kind != "embedding":
             raise RuntimeError(f"{s.model} was taken for an embedding model but loaded as a {self.lm.kind} model")
         self.embedding = EmbeddingServing(self.engine, self.lm, s.model_id, self.preparing, self.metrics)
-        await self.engine.embed([self.lm.encode_text("Hello")])
+        warm = self.lm.encode_pair("Hello", "Hello") if self.lm.scores_pairs else self.lm.encode_text("Hello")
+        await self.engine.embed([warm])
 
     async def _load_chat(self, loader) -> None:
         s = self.settings

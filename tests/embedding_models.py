@@ -29,7 +29,8 @@ def build_wordpiece_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
+                                   sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])  # as BERT's
 
 
 def write_sentence_transformers_files(path: Path, pooling: str, normalize: bool, dimension: int,
@@ -68,4 +69,16 @@ def decoder_embedder_dir(tiny_dir: Path, path: Path) -> Path:
     shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
     hidden = json.loads((path / "config.json").read_text())["hidden_size"]
     write_sentence_transformers_files(path, "lasttoken", True, hidden, max_seq_length=None)
+    return path
+
+
+def build_tiny_cross_encoder_dir(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A random BERT with a one-label classification head: a cross-encoder (reranker) as sentence-transformers'
+    CrossEncoder loads it."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    build_tiny_bert_dir(path, seed=seed, sentence_transformers=False)
+    config = BertConfig.from_pretrained(path, num_labels=num_labels)
+    torch.manual_seed(seed + 1)
+    BertForSequenceClassification(config).eval().save_pretrained(path)
     return path

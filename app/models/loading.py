@@ -25,7 +25,8 @@ from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
-from app.models.pooling import PoolingModel, is_pooling_dir, load_pooling_model
+from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
+from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import PrepackFailed, measure_packing, prepack_linears
 from app.models.quant import dynamic_int8_supported, quantize_linears
 
@@ -128,7 +129,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
-               tensor_parallel: int = 1) -> LoadedModel | PoolingModel:
+               tensor_parallel: int = 1) -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -194,8 +195,9 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,
-                  tensor_parallel: int) -> PoolingModel:
-    """An embedding model (app/models/pooling.py): the server serves /v1/embeddings, /v1/rerank and /v1/score."""
+                  tensor_parallel: int) -> PoolingModel | CrossEncoderModel:
+    """An embedding model (app/models/pooling.py): the server serves /v1/embeddings, /v1/rerank and /v1/score; or a
+    cross-encoder (app/models/cross_encoder.py): /v1/rerank and /v1/score."""
     if quant != "none" or tensor_parallel > 1:
         raise ConfigError(f"{name!r} is an embedding model; QUANT and TENSOR_PARALLEL apply to chat models only",
                           param="quant" if quant != "none" else "tensor_parallel")
@@ -204,6 +206,8 @@ def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_
     else:
         torch_dtype, why = resolve_dtype(dtype, device)
     log.info("embedding model; dtype %s: %s", str(torch_dtype).removeprefix("torch."), why)
+    if is_cross_encoder_dir(Path(source)):
+        return load_cross_encoder(source, name, device, torch_dtype, why, max_model_len)
     return load_pooling_model(source, name, device, torch_dtype, why, max_model_len)
 
 

@@ -40,6 +40,13 @@ class PoolingConfig:
     matryoshka: bool = False  # trained so that a prefix of the vector is itself an embedding (`dimensions` allowed)
 
 
+def is_cross_encoder_dir(path: Path) -> bool:
+    """A sequence-classification model: AutoModel would load its encoder and drop the head it was trained with."""
+    config = path / "config.json"
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
+
+
 def is_pooling_dir(path: Path) -> bool:
     """A sentence-transformers directory, or a Hugging Face directory whose architecture is not a generator."""
     if (path / "modules.json").is_file():
@@ -107,6 +114,7 @@ class PoolingModel:
     prepack: str = "off: pooling models run the plain transformers forward"
     ranks: Any = None  # never tensor parallel; the attribute the server's health checks read
     kind = "embedding"
+    scores_pairs = False  # a bi-encoder: rerank and score compare its vectors (a cross-encoder scores the pair)
 
     @property
     def device(self) -> torch.device:
@@ -158,11 +166,6 @@ def load_pooling_model(source: str, name: str, device: torch.device, dtype: torc
     from transformers import AutoModel, AutoTokenizer
 
     path = Path(source)
-    architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
-        # AutoModel would load the encoder and drop the classifier head: vectors, but not the scores it was made for
-        raise ConfigError(f"{name!r} is a cross-encoder ({architectures[0]}); only bi-encoders (embedding models) "
-                          "are served", param="model")
     config = read_pooling_config(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

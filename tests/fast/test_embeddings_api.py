@@ -1,6 +1,6 @@
-"""/v1/embeddings, /v1/rerank and /v1/score over a real socket, served by a tiny random BERT built in the test:
-what a client sees (shapes, base64, usage, ordering, limits and their 400s), and what a chat model or an embedding
-model says when asked for the other's endpoints."""
+"""/v1/embeddings, /v1/rerank and /v1/score over a real socket, served by a tiny random BERT built in the test (and
+a tiny cross-encoder): what a client sees (shapes, base64, usage, ordering, limits and their 400s), and what a chat
+model or an embedding model says when asked for the other's endpoints."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from app.models.loading import load_model
 from app.openai.embeddings import serving
 
 from conftest import ThreadServer
-from embedding_models import MAX_SEQ_LENGTH, build_tiny_bert_dir
+from embedding_models import MAX_SEQ_LENGTH, build_tiny_bert_dir, build_tiny_cross_encoder_dir
 
 TEXTS = ["Paris is the capital of France.", "hello", "北京是中国的首都。",
          "def reverse(s): return s[::-1] and a much longer line about the city on the seine"]
@@ -168,3 +168,21 @@ def test_chat_model_asked_for_embeddings_gets_a_400_naming_its_endpoints(make_ti
         assert "chat model" in response.json()["error"]["message"]
         assert "/v1/chat/completions" in response.json()["error"]["message"]
     assert "/v1/chat/completions" in httpx.get(f"{server.url}/v1/models").json()["data"][0]["endpoints"]
+
+
+def test_cross_encoder_server_reranks_by_its_pair_scores_and_gives_no_embeddings(tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    path = build_tiny_cross_encoder_dir(tmp_path / "tiny-reranker")
+    query, docs = TEXTS[0], TEXTS[1:] + ["The capital of France is Paris."]
+    expected = sentence_transformers.CrossEncoder(str(path), device="cpu").predict([(query, d) for d in docs])
+    with ThreadServer(create_app(Settings(model=str(path)), lm=load_model(str(path), device="cpu"))) as server:
+        results = post(server, "/v1/rerank", query=query, documents=docs).json()["results"]
+        assert [r["index"] for r in results] == list(np.argsort(-expected))
+        np.testing.assert_allclose([r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5)
+        scores = post(server, "/v1/score", text_1=query, text_2=docs).json()["data"]
+        np.testing.assert_allclose([d["score"] for d in scores], expected, atol=1e-5)
+        refused = post(server, "/v1/embeddings", input="x")
+        assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["endpoints"] == ["/v1/rerank", "/v1/score"]
+        chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}])
+        assert chat.status_code == 400 and "/v1/rerank, /v1/score" in chat.json()["error"]["message"]

@@ -1,6 +1,6 @@
 """Pooling models without a server: vectors equal sentence-transformers' encode for every pooling mode, padding and
-batching change no vector, a decoder embedder's vector is its own last hidden state, and the embedding engine
-batches concurrent requests into one pass."""
+batching change no vector, a decoder embedder's vector is its own last hidden state, a cross-encoder's scores equal
+sentence-transformers' CrossEncoder.predict, and the embedding engine batches concurrent requests into one pass."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from app.core.engine.embedding import EmbeddingEngine
 from app.models.loading import load_model, serves_embeddings
 from app.models.pooling import PoolingModel
 
-from embedding_models import build_tiny_bert_dir, decoder_embedder_dir
+from embedding_models import build_tiny_bert_dir, build_tiny_cross_encoder_dir, decoder_embedder_dir
 
 TEXTS = ["Paris is the capital of France.", "hello", "北京是中国的首都。",
          "def reverse(s): return s[::-1] and a much longer line of text about the city on the seine river"]
@@ -75,13 +75,24 @@ def test_decoder_embedder_pools_its_own_last_hidden_state(tiny_dir, tmp_path):
     torch.testing.assert_close(lm.embed(rows), torch.stack(expected).detach(), atol=1e-5, rtol=1e-4)
 
 
-def test_cross_encoder_is_refused_with_a_reason(tmp_path):
-    from transformers import BertConfig, BertForSequenceClassification
+def test_cross_encoder_scores_equal_sentence_transformers_predict(tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    path = build_tiny_cross_encoder_dir(tmp_path)
+    lm = load_model(str(path), device="cpu")
+    assert lm.scores_pairs and serves_embeddings(str(path))
+    pairs = [(TEXTS[0], t) for t in TEXTS[1:]] + [(TEXTS[2], TEXTS[3])]
+    reference = sentence_transformers.CrossEncoder(str(path), device="cpu").predict(pairs)
+    rows = [lm.encode_pair(a, b) for a, b in pairs]
+    assert rows[0].token_type_ids is not None and 1 in rows[0].token_type_ids, "the second text has its own type"
+    scores = lm.embed(rows)[:, 0]
+    torch.testing.assert_close(scores, torch.tensor(reference, dtype=torch.float32), atol=1e-5, rtol=1e-4)
+    alone = torch.cat([lm.embed([row])[:, 0] for row in rows])
+    torch.testing.assert_close(scores, alone, atol=1e-6, rtol=1e-5)
 
-    path = build_tiny_bert_dir(tmp_path)
-    config = BertConfig.from_pretrained(path)
-    BertForSequenceClassification(config).save_pretrained(path)
-    with pytest.raises(ConfigError, match="cross-encoder"):
+
+def test_cross_encoder_with_several_labels_is_refused_with_a_reason(tmp_path):
+    path = build_tiny_cross_encoder_dir(tmp_path, num_labels=3)
+    with pytest.raises(ConfigError, match="3 labels"):
         load_model(str(path), device="cpu")
 
 

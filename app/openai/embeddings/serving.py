@@ -1,8 +1,8 @@
 """Serving the pooling endpoints: inputs -> token rows (on a prepare worker) -> the embedding engine -> the wire.
 
-Rerank and score use a bi-encoder's own vectors: the relevance of a document to a query is the cosine similarity
-of their embeddings (vLLM does the same for embedding models). Cross-encoders (sequence-classification models,
-which score the pair in one pass) are refused at load time rather than served wrongly (app/models/pooling.py).
+Rerank and score with a bi-encoder use its own vectors: the relevance of a document to a query is the cosine
+similarity of their embeddings (vLLM does the same for embedding models). A cross-encoder (app/models/cross_encoder.py)
+reads each (query, document) pair in one pass and its score is the relevance; it gives no embeddings.
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ from app.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, Scor
 MAX_INPUTS = 2048
 MAX_TOTAL_TOKENS = 300_000
 ENDPOINTS = ["/v1/embeddings", "/v1/rerank", "/v1/score"]
+PAIR_ENDPOINTS = ["/v1/rerank", "/v1/score"]  # a cross-encoder's
 
 
 class EmbeddingServing:
     def __init__(self, engine, lm, model_id: str, preparing, metrics):
         self.engine, self.lm, self.model_id = engine, lm, model_id
         self.preparing, self.metrics = preparing, metrics
+
+    @property
+    def endpoints(self) -> list[str]:
+        return PAIR_ENDPOINTS if self.lm.scores_pairs else ENDPOINTS
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -36,6 +41,10 @@ class EmbeddingServing:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict:
         self.check_model(body.model)
+        if self.lm.scores_pairs:
+            raise InvalidRequest(f"{self.model_id} is a cross-encoder: it scores pairs of texts on "
+                                 f"{', '.join(PAIR_ENDPOINTS)} and gives no embeddings", param="model",
+                                 code="unsupported_endpoint")
         size = self._dimensions(body.dimensions)
         rows = await self.preparing.run(self.token_rows, body.inputs(), body.truncate_prompt_tokens, "input")
         vectors = await self._embed(rows, "embeddings", request)
@@ -52,17 +61,17 @@ class EmbeddingServing:
         texts = body.texts()
         if not texts:
             raise InvalidRequest("`documents` is empty; give at least one document", param="documents")
-        query = await self.preparing.run(self.token_rows, [body.query], body.truncate_prompt_tokens, "query")
-        docs = await self.preparing.run(self.token_rows, texts, body.truncate_prompt_tokens, "documents")
-        vectors = await self._embed(query + docs, "rerank", request)
-        scores = cosine(vectors[:1], vectors[1:])[0]  # [documents]
+        if not body.query:
+            raise InvalidRequest("`query` is an empty string", param="query")
+        scores, rows = await self._relevance([body.query], texts, body.truncate_prompt_tokens, request, "rerank",
+                                             ("query", "documents"))
         order = sorted(range(len(texts)), key=lambda i: -scores[i])
         if body.top_n:
             order = order[:body.top_n]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.model_id, "results": results,
-                "usage": {"total_tokens": usage(query + docs)["total_tokens"]}}
+                "usage": {"total_tokens": usage(rows)["total_tokens"]}}
 
     async def score(self, body: ScoreRequest, request: Request) -> dict:
         self.check_model(body.model)
@@ -74,16 +83,32 @@ class EmbeddingServing:
         if len(first) != 1 and len(first) != len(second):
             raise InvalidRequest(f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1` "
                                  "to score against every `text_2`, or lists of the same length", param="text_1")
-        rows_1 = await self.preparing.run(self.token_rows, first, body.truncate_prompt_tokens, "text_1")
-        rows_2 = await self.preparing.run(self.token_rows, second, body.truncate_prompt_tokens, "text_2")
-        vectors = await self._embed(rows_1 + rows_2, "score", request)
-        left = vectors[:len(first)].expand(len(second), -1) if len(first) == 1 else vectors[:len(first)]
-        scores = torch.nn.functional.cosine_similarity(left, vectors[len(first):], dim=1).tolist()
+        scores, rows = await self._relevance(first, second, body.truncate_prompt_tokens, request, "score",
+                                             ("text_1", "text_2"))
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": self.model_id, "data": data, "usage": usage(rows_1 + rows_2)}
+                "model": self.model_id, "data": data, "usage": usage(rows)}
 
     # ---- shared steps ----
+
+    async def _relevance(self, first: list[str], second: list[str], truncate: int | None, request: Request,
+                         endpoint: str, params: tuple[str, str]) -> tuple[list[float], list[list[int]]]:
+        """One score per text of `second`, against `first[0]` (one text) or `first[i]` (pairwise): a cross-encoder
+        reads each pair; a bi-encoder embeds every text once and compares the vectors by cosine. Also the rows run,
+        for `usage`."""
+        firsts = first * len(second) if len(first) == 1 else first
+        if self.lm.scores_pairs:
+            rows = await self.preparing.run(self.pair_rows, firsts, second, truncate, params[1])
+            return (await self._embed(rows, endpoint, request))[:, 0].tolist(), rows
+        rows_1 = await self.preparing.run(self.token_rows, first, truncate, params[0])
+        rows_2 = await self.preparing.run(self.token_rows, second, truncate, params[1])
+        vectors = await self._embed(rows_1 + rows_2, endpoint, request)
+        left = vectors[:len(first)].expand(len(second), -1) if len(first) == 1 else vectors[:len(first)]
+        return torch.nn.functional.cosine_similarity(left, vectors[len(first):], dim=1).tolist(), rows_1 + rows_2
+
+    def pair_rows(self, firsts: list[str], seconds: list[str], truncate: int | None, param: str) -> list[list[int]]:
+        """A cross-encoder's rows: each (first, second) pair tokenized together, with the same limits as texts."""
+        return self.token_rows(list(zip(firsts, seconds)), truncate, param)
 
     def _dimensions(self, asked: int | None) -> int:
         native = self.lm.dimensions
@@ -97,7 +122,8 @@ class EmbeddingServing:
                                  param="dimensions")
         return asked
 
-    def token_rows(self, inputs: list[str | list[int]], truncate: int | None, param: str) -> list[list[int]]:
+    def token_rows(self, inputs: list[str | list[int] | tuple[str, str]], truncate: int | None,
+                   param: str) -> list[list[int]]:
         """Texts -> token rows (with the model's special tokens), token-id lists as given; every limit checked.
         Runs on a prepare worker: tokenizing 2,048 texts is not the event loop's work."""
         limit = self.lm.max_context
@@ -116,7 +142,11 @@ class EmbeddingServing:
         rows, total = [], 0
         for i, item in enumerate(inputs):
             where = f"{param}[{i}]" if len(inputs) > 1 else param
-            if isinstance(item, str):
+            if isinstance(item, tuple):  # a cross-encoder's (first, second) pair
+                if not item[0] or not item[1]:
+                    raise InvalidRequest(f"`{where}` pairs an empty string; every text needs words", param=param)
+                row = self.lm.encode_pair(*item, keep)
+            elif isinstance(item, str):
                 if not item:
                     raise InvalidRequest(f"`{where}` is an empty string; every input needs text", param=param)
                 row = self.lm.encode_text(item, keep)
