@@ -186,3 +186,17 @@ def test_cross_encoder_server_reranks_by_its_pair_scores_and_gives_no_embeddings
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["endpoints"] == ["/v1/rerank", "/v1/score"]
         chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}])
         assert chat.status_code == 400 and "/v1/rerank, /v1/score" in chat.json()["error"]["message"]
+
+
+def test_matryoshka_model_truncates_to_dimensions_and_renormalises(tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    path = build_tiny_bert_dir(tmp_path / "tiny-matryoshka")
+    (path / "config_sentence_transformers.json").write_text('{"matryoshka_dims": [32, 16, 8]}')
+    expected = sentence_transformers.SentenceTransformer(str(path), device="cpu", truncate_dim=8).encode(
+        TEXTS, normalize_embeddings=True)
+    with ThreadServer(create_app(Settings(model=str(path)), lm=load_model(str(path), device="cpu"))) as server:
+        ours = vectors(post(server, "/v1/embeddings", input=TEXTS, dimensions=8))
+        assert ours.shape == (len(TEXTS), 8)
+        np.testing.assert_allclose(ours, expected, atol=1e-5)
+        too_many = post(server, "/v1/embeddings", input="x", dimensions=33)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "dimensions"

@@ -1,6 +1,6 @@
 """Fuzz the embedding endpoints with schemathesis from the server's own /openapi.json, against a tiny random BERT
-(tests/embedding_models.py): valid and invalid bodies for /v1/embeddings, /v1/rerank and /v1/score never get a
-5xx, and every 4xx is OpenAI's error JSON (the checks are tests/server/test_fuzz.py's)."""
+and a tiny cross-encoder (tests/embedding_models.py): valid and invalid bodies for /v1/embeddings, /v1/rerank and
+/v1/score never get a 5xx, and every 4xx is OpenAI's error JSON (the checks are tests/server/test_fuzz.py's)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ from app.config import Settings
 from app.main import create_app
 from app.models.loading import load_model
 from conftest import ThreadServer
-from embedding_models import build_tiny_bert_dir
+from embedding_models import build_tiny_bert_dir, build_tiny_cross_encoder_dir
 from test_fuzz import DERANDOMIZE, check_response
 
 pytestmark = pytest.mark.server
 EXAMPLES = {"POST /v1/embeddings": 300, "POST /v1/rerank": 160, "POST /v1/score": 160}
 
 
-@pytest.fixture(scope="module")
-def embedding_server(tmp_path_factory):
-    path = build_tiny_bert_dir(tmp_path_factory.mktemp("fuzz-bert"))
+@pytest.fixture(scope="module", params=["bi-encoder", "cross-encoder"])
+def embedding_server(request, tmp_path_factory):
+    build = build_tiny_bert_dir if request.param == "bi-encoder" else build_tiny_cross_encoder_dir
+    path = build(tmp_path_factory.mktemp(f"fuzz-{request.param}"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from two threads on a shared CPU
     try:
