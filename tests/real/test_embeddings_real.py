@@ -174,3 +174,38 @@ def test_llamaindex_openai_like_embedding(server, reference):
     embedding = OpenAILikeEmbedding(model_name=MODEL, api_base=f"{server.url}/v1", api_key="unused")
     assert_matches(np.array(embedding.get_text_embedding_batch(TEXTS[:15])), reference.encode(TEXTS[:15]))
     assert_matches(np.array([embedding.get_query_embedding(TEXTS[0])]), reference.encode(TEXTS[:1]))
+
+
+def test_dockerfile_command_serves_the_embedding_model(tmp_path_factory, directory):
+    """The image's own command and ENV, run outside Docker with `-e MODEL=all-minilm-l6-v2`: the probes the
+    Dockerfile and docker/k8s/deployment.yaml use (/health, /ready) pass, and the SDK gets embeddings."""
+    import signal
+
+    from openai import OpenAI
+
+    from conftest import free_port
+    from test_server_real import ROOT, host_command, parse_dockerfile
+
+    entrypoint, cmd, image_env = parse_dockerfile((ROOT / "Dockerfile").read_text())
+    port = free_port()
+    env = clean_env()
+    env.update(image_env)
+    env.update(MODEL=MODEL, HOST="127.0.0.1", PORT=str(port), DEVICE="cpu", MODEL_CACHE=str(MODEL_CACHE),
+               HF_HOME=str(tmp_path_factory.mktemp("hf")), PYTHONPATH=str(ROOT))  # this checkout as the image's app
+    workdir = tmp_path_factory.mktemp("docker-workdir")
+    srv = ServerProcess(workdir / "server.log", env, argv=host_command(entrypoint, cmd), port=port, cwd=workdir)
+    srv.start()
+    ok = False
+    try:
+        srv.wait_ready()
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        sdk = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in sdk.models.list().data] == [MODEL]
+        assert len(sdk.embeddings.create(model=MODEL, input="hello").data[0].embedding) == 384
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0
+        ok = True
+    finally:
+        srv.stop()
+        if not ok:
+            print("\n" + srv.log_tail(), file=sys.stderr)
