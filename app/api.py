@@ -215,8 +215,9 @@ async def list_models(state: State) -> dict:
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
-async def embeddings(body: EmbeddingBody, request: Request, serving: Embedding) -> dict:
-    return await serving.embeddings(body, request)
+async def embeddings(body: EmbeddingBody, request: Request, serving: Embedding) -> JSONResponse:
+    # plain JSON types already: skips FastAPI's jsonable_encoder, which visits each of the vectors' floats
+    return JSONResponse(await serving.embeddings(body, request))
 
 
 @router.post("/v1/rerank", openapi_extra=body_schema(RerankRequest))
