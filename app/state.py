@@ -59,7 +59,10 @@ class ServerState:
                                       settings.max_tools)
         self.lm = lm
         # "embedding": MODEL is an encoder; /v1/embeddings, /v1/rerank and /v1/score are served instead of chat.
-        self.kind = getattr(lm, "kind", "chat") if lm is not None else ("embedding" if serves_embeddings(settings.model) else "chat")
+        if lm is not None:
+            self.kind = getattr(lm, "kind", "chat")
+        else:
+            self.kind = "embedding" if serves_embeddings(settings.model) else "chat"
         self.engine: Engine | EmbeddingEngine | None = None
         self.serving: CompletionServing | None = None
         self.embedding: EmbeddingServing | None = None
