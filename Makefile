@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The embedded default model and the second test architecture; fetched once, then a no-op.
 models: $(VENV)/.installed
-	$(PY) -m app fetch-model qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+	$(PY) -m app fetch-model qwen2.5-coder-0.5b-instruct smollm2-135m-instruct all-minilm-l6-v2
 
 # Debian's chromium, which the playground's browser tests drive with Playwright (Playwright's own browser download
 # is not reachable here). apt runs only when chromium is missing.

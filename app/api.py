@@ -21,6 +21,8 @@ from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  default_sampling)
+from app.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from app.openai.embeddings.serving import ENDPOINTS as EMBEDDING_ENDPOINTS, EmbeddingServing
 from app.openai.responses.serving import ResponsesServing
 from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
@@ -64,7 +66,11 @@ def require_api_key(request: Request, state: State) -> None:
         request.state.cache_tenant = tenant  # the serving layer salts the prefix cache with it
 
 
-def get_serving(state: State) -> CompletionServing:
+CHAT_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize",
+                  "/detokenize"]
+
+
+def check_ready(state: ServerState) -> None:
     if state.draining:
         raise ShuttingDown()
     if error := state.engine_error:
@@ -72,16 +78,35 @@ def get_serving(state: State) -> CompletionServing:
     if not state.ready:
         raise NotReady(state.load_error or "the model is still loading; retry when /ready answers 200",
                        code="model_not_ready")
+
+
+def get_serving(state: State) -> CompletionServing:
+    if state.kind == "embedding":
+        served = state.embedding.endpoints if state.embedding else EMBEDDING_ENDPOINTS
+        raise InvalidRequest(f"{state.settings.model_id} is an embedding model: it serves "
+                             f"{', '.join(served)}, not chat or text generation", param="model",
+                             code="unsupported_endpoint")
+    check_ready(state)
     return state.serving
 
 
+def get_embedding_serving(state: State) -> EmbeddingServing:
+    if state.kind != "embedding":
+        raise InvalidRequest(f"{state.settings.model_id} is a chat model: it serves {', '.join(CHAT_ENDPOINTS)}, "
+                             "not embeddings, rerank or score", param="model", code="unsupported_endpoint")
+    check_ready(state)
+    return state.embedding
+
+
 Serving = Annotated[CompletionServing, Depends(get_serving)]
+Embedding = Annotated[EmbeddingServing, Depends(get_embedding_serving)]
 BODY_MODELS: list[type] = []  # every model a route parses itself, for the OpenAPI schema's components
 
 
-def parsed(model: type[M]) -> Any:
-    """A dependency: the request body as `model`, parsed and validated on a prepare worker."""
-    async def parse(request: Request, state: State, _: Serving) -> M:
+def parsed(model: type[M], serving: Any = get_serving) -> Any:
+    """A dependency: the request body as `model`, parsed and validated on a prepare worker, once `serving` (the
+    checks that this model serves the route and is ready) has passed."""
+    async def parse(request: Request, state: State, _: Any = Depends(serving)) -> M:
         try:
             raw = await request.body()  # on the loop, but only a join of the chunks already received
         except ClientDisconnect:  # gone while sending it: a 499 nobody reads, not an unhandled error's 500
@@ -109,6 +134,9 @@ MessagesBody = Annotated[MessagesRequest, parsed(MessagesRequest)]
 CountTokensBody = Annotated[CountTokensRequest, parsed(CountTokensRequest)]
 TokenizeBody = Annotated[TokenizeRequest, parsed(TokenizeRequest)]
 DetokenizeBody = Annotated[DetokenizeRequest, parsed(DetokenizeRequest)]
+EmbeddingBody = Annotated[EmbeddingRequest, parsed(EmbeddingRequest, get_embedding_serving)]
+RerankBody = Annotated[RerankRequest, parsed(RerankRequest, get_embedding_serving)]
+ScoreBody = Annotated[ScoreRequest, parsed(ScoreRequest, get_embedding_serving)]
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
 WEB_DIR = Path(__file__).parent / "web"  # the playground's static files, shipped in the package (main.py mounts them)
@@ -172,11 +200,34 @@ async def completions(body: CompletionBody, request: Request, serving: Serving):
 @router.get("/v1/models")
 async def list_models(state: State) -> dict:
     lm = state.lm
+    embedding = state.kind == "embedding"
     model = {"id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
-             "max_model_len": lm.max_context if lm else state.settings.max_model_len, **state.model_info}
-    if lm:
+             "max_model_len": lm.max_context if lm else state.settings.max_model_len, **state.model_info,
+             "endpoints": CHAT_ENDPOINTS}
+    if embedding:
+        model["endpoints"] = state.embedding.endpoints if state.embedding else EMBEDDING_ENDPOINTS
+    if lm and embedding:
+        if not lm.scores_pairs:
+            model["dimensions"] = lm.dimensions
+    elif lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
     return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
+async def embeddings(body: EmbeddingBody, request: Request, serving: Embedding) -> JSONResponse:
+    # plain JSON types already: skips FastAPI's jsonable_encoder, which visits each of the vectors' floats
+    return JSONResponse(await serving.embeddings(body, request))
+
+
+@router.post("/v1/rerank", openapi_extra=body_schema(RerankRequest))
+async def rerank(body: RerankBody, request: Request, serving: Embedding) -> dict:
+    return await serving.rerank(body, request)
+
+
+@router.post("/v1/score", openapi_extra=body_schema(ScoreRequest))
+async def score(body: ScoreBody, request: Request, serving: Embedding) -> dict:
+    return await serving.score(body, request)
 
 
 @router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))

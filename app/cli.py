@@ -10,7 +10,7 @@ from app.config import Settings
 from app.core.generate import generate
 from app.core.sampling import MAX_INSPECT, Inspection, resolve_sampling_params
 from app.errors import InvalidRequest
-from app.models.loading import load_model
+from app.models.loading import load_model, serves_embeddings
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "max_tokens", "seed", "stop")
@@ -20,6 +20,9 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
     show = args.show_logits or 0
     if args.show_logits is not None and not 1 <= show <= MAX_INSPECT:
         raise InvalidRequest(f"--show-logits takes 1 to {MAX_INSPECT} candidates, got {show}", param="--show-logits")
+    if serves_embeddings(settings.model):
+        raise InvalidRequest(f"{settings.model} is an embedding model: it generates no text; serve it and use "
+                             "/v1/embeddings", param="model")
     lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack,
                     quant=settings.quant)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}

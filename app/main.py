@@ -36,6 +36,7 @@ from app.state import ServerState
 
 log = logging.getLogger("app.access")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+COUNTED_PATHS = GENERATION_PATHS + ("/v1/embeddings", "/v1/rerank", "/v1/score")  # /metrics' `endpoint` label
 REPEAT_S = 1.0  # the same signal again within this long is the same request to stop, delivered twice
 
 
@@ -214,7 +215,7 @@ class AccessAndLimits:
         info = scope.get("state", {})
         # A stream that failed after its 200 counts as the error it ended with (the client saw an error event).
         status = info.get("failed_status", status)
-        self.state.metrics.requests.labels(path if path in GENERATION_PATHS else "other", str(status)).inc()
+        self.state.metrics.requests.labels(path if path in COUNTED_PATHS else "other", str(status)).inc()
         ttft = info.get("ttft_s")
         # the path as received, but on one line: `%0a` in a URL must not write a forged line of its own
         log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),

@@ -53,6 +53,11 @@ class Metrics:
         self.decode_steps = Counter(f"{PREFIX}_decode_steps", "passes in which every row decoded one token, by "
                                     "path: eager (the packed pass), pooled (DECODE_STEP=compiled), graph (that step "
                                     "replayed as a CUDA graph)", ["path"], registry=r)
+        self.embedding_requests = Counter(f"{PREFIX}_embedding_requests", "requests served by an embedding model, "
+                                          "by endpoint (embeddings, rerank, score)", ["endpoint"], registry=r)
+        self.embedding_tokens = Counter(f"{PREFIX}_embedding_tokens", "tokens run through an embedding model",
+                                        registry=r)
+        self.embedding_inputs = Counter(f"{PREFIX}_embedding_inputs", "texts (or token lists) embedded", registry=r)
         add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
 
 

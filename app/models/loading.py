@@ -25,6 +25,8 @@ from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
+from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
+from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
 from app.models.quant import dynamic_int8_supported, quantize_linears
@@ -52,6 +54,7 @@ class LoadedModel:
     dtype_reason: str = "chosen by the caller"  # why these weights have their dtype (dtype=auto explains itself)
     prepack: str = "off: not loaded by load_model"  # "on: N linear layers[, why and the figures]" or "off: why"
     ranks: Any = None  # tensor parallel: this shard's app.models.distributed.Ranks (None: the whole model here)
+    kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
     @property
     def device(self) -> torch.device:
@@ -128,7 +131,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
-               tensor_parallel: int = 1) -> LoadedModel:
+               tensor_parallel: int = 1) -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -150,8 +153,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if tensor_parallel > 1 and prepack == "true":
         raise ConfigError("PREPACK=true, but tensor parallelism shards the linear layers that prepacking copies; "
                           "set PREPACK=auto (off under tensor parallelism)", param="prepack")
-    log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
     source, kwargs = _locate(name_or_path, Path(cache_dir))
+    if not kwargs and Path(source).is_dir() and is_pooling_dir(Path(source)):
+        return _load_pooling(source, name_or_path, torch_device, dtype, max_model_len, quant, tensor_parallel)
+    log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
     ranks = None
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
@@ -190,6 +195,23 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks)
+
+
+def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,
+                  tensor_parallel: int) -> PoolingModel | CrossEncoderModel:
+    """An embedding model (app/models/pooling.py): the server serves /v1/embeddings, /v1/rerank and /v1/score; or a
+    cross-encoder (app/models/cross_encoder.py): /v1/rerank and /v1/score."""
+    if quant != "none" or tensor_parallel > 1:
+        raise ConfigError(f"{name!r} is an embedding model; QUANT and TENSOR_PARALLEL apply to chat models only",
+                          param="quant" if quant != "none" else "tensor_parallel")
+    if dtype == "auto":  # small models, whose vectors clients compare against the float32 reference's
+        torch_dtype, why = torch.float32, "dtype=auto: embedding models run in float32, as sentence-transformers does"
+    else:
+        torch_dtype, why = resolve_dtype(dtype, device)
+    log.info("embedding model; dtype %s: %s", str(torch_dtype).removeprefix("torch."), why)
+    if is_cross_encoder_dir(Path(source)):
+        return load_cross_encoder(source, name, device, torch_dtype, why, max_model_len)
+    return load_pooling_model(source, name, device, torch_dtype, why, max_model_len)
 
 
 def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype, choices: Path | None = None,
@@ -280,6 +302,15 @@ def _locate(name_or_path: str, cache_dir: Path) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"model path not found: {name_or_path} (nor is it an embedded model name: "
                           f"{', '.join(EMBEDDED)}; a hub id looks like org/name)", param="model")
     return name_or_path, {}  # a hub id such as Qwen/Qwen2.5-7B-Instruct
+
+
+def serves_embeddings(name_or_path: str) -> bool:
+    """Whether MODEL names an embedding model (decided before loading, from names and files only): the embedded
+    embedding model, or a local directory that app/models/pooling.py takes for an encoder."""
+    if name_or_path in EMBEDDED:
+        return EMBEDDED[name_or_path].archive == "zipped_dir"
+    path = Path(name_or_path).expanduser()
+    return path.is_dir() and is_pooling_dir(path)
 
 
 def _generation_defaults(model, source: str) -> dict[str, Any]:

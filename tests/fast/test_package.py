@@ -96,6 +96,10 @@ def test_the_wheel_packages_the_server_and_leaves_the_benchmarks_in_the_reposito
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     packaged = find_packages(str(REPO), include=config["packages"]["find"]["include"])
     assert "app" in packaged and "app.core" in packaged
+    # a folder of modules without __init__.py imports from a checkout but is silently missing from the wheel
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "app").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders <= set(packaged), f"no __init__.py, so not in the wheel: {sorted(folders - set(packaged))}"
     assert not [p for p in packaged if not p.startswith("app")], packaged
     assert not any("bench" in pattern for pattern in config["package-data"]["app"])
 

@@ -1,0 +1,94 @@
+"""Cross-encoders: a sequence-classification model that reads a query and a document together and gives one score.
+
+Rerankers such as ms-marco-MiniLM are of this kind: unlike a bi-encoder, which embeds each text alone and compares
+vectors, the model attends across the pair, which usually ranks better and gives no embedding. The score equals
+`sentence_transformers.CrossEncoder(dir).predict(pairs)`: the logit of a one-label head through a sigmoid. Pairs are
+tokenized as the tokenizer pairs them (`[CLS] a [SEP] b [SEP]` with token types 0 and 1 for BERT), padded on the
+right, and masked, so a pair's score does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.errors import ConfigError
+
+
+class PairRow(list):
+    """A pair's token ids (a list, as the embedding engine batches rows by length), with its token types."""
+
+    def __init__(self, ids: list[int], token_type_ids: list[int] | None):
+        super().__init__(ids)
+        self.token_type_ids = token_type_ids
+
+
+@dataclass
+class CrossEncoderModel:
+    model: Any  # a transformers *ForSequenceClassification with one label
+    tokenizer: Any
+    name: str
+    max_context: int  # tokens per pair, special tokens included
+    dtype_reason: str = "chosen by the caller"
+    prepack: str = "off: pooling models run the plain transformers forward"
+    ranks: Any = None
+    kind = "embedding"  # served by the embedding engine and endpoints
+    scores_pairs = True  # /v1/rerank and /v1/score only: it gives no embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def encode_pair(self, first: str, second: str, limit: int | None = None) -> PairRow:
+        """`limit` truncates as sentence-transformers' CrossEncoder does (the longer text first, specials kept)."""
+        kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
+        encoded = self.tokenizer(first, second, **kwargs)
+        return PairRow(encoded["input_ids"], encoded.get("token_type_ids"))
+
+    @torch.inference_mode()
+    def embed(self, rows: list[PairRow]) -> torch.Tensor:
+        """Pairs -> [len(rows), 1] scores in (0, 1), one padded pass."""
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        types = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, :len(row)] = 1
+            if row.token_type_ids is not None:
+                types[i, :len(row)] = torch.tensor(row.token_type_ids, dtype=torch.long)
+        kwargs = {"token_type_ids": types.to(self.device)} if rows[0].token_type_ids is not None else {}
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs).logits
+        return torch.sigmoid(logits.float()).cpu()  # [B, 1]
+
+
+def load_cross_encoder(source: str, name: str, device: torch.device, dtype: torch.dtype, dtype_reason: str,
+                       max_model_len: int | None = None) -> CrossEncoderModel:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, device_map=device)
+    except OSError as err:
+        raise ConfigError(f"could not load cross-encoder {name!r}: {err}", param="model") from err
+    if model.config.num_labels != 1:  # an NLI head, say: which of its labels would be "relevance"?
+        raise ConfigError(f"{name!r} has {model.config.num_labels} labels; only one-label cross-encoders (a "
+                          "relevance score) are served", param="model")
+    model.eval()
+    limit = getattr(model.config, "max_position_embeddings", None) or 512
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {limit}", param="max_model_len")
+        limit = max_model_len
+    return CrossEncoderModel(model=model, tokenizer=tokenizer, name=name, max_context=limit, dtype_reason=dtype_reason)

@@ -1,0 +1,182 @@
+"""Pooling models: a sentence-transformers or Hugging Face encoder directory that turns texts into vectors.
+
+The vectors must equal `sentence_transformers.SentenceTransformer(dir).encode(...)`, so the pipeline is read from
+the directory the way sentence-transformers reads it: `modules.json` lists the modules (Transformer, Pooling,
+Normalize), `1_Pooling/config.json` says how token states become one vector (mean, cls, max, mean over sqrt(len),
+last token), and `sentence_bert_config.json` caps the tokens per input (`max_seq_length`). A plain Hugging Face
+encoder directory (no `modules.json`) gets what sentence-transformers gives it: mean pooling, no normalisation.
+
+Decoder embedding models (Qwen3-Embedding, gte-Qwen2) are the same path: their `1_Pooling/config.json` says
+`lasttoken`, and `AutoModel` loads the causal LM's body. Rows are padded on the right and every pooling reads the
+attention mask, so a row's vector does not depend on what it was batched with (a causal model's last real token
+never sees the padding after it; an encoder's padding is masked out of attention).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.errors import ConfigError
+
+POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len", "lasttoken")
+# The 1_Pooling/config.json flags, in sentence-transformers' spelling; the first one set wins.
+POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+                 "pooling_mode_lasttoken": "lasttoken"}
+# What makes a directory a chat model rather than an encoder, when it has no modules.json.
+GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+@dataclass
+class PoolingConfig:
+    pooling: str = "mean"
+    normalize: bool = False
+    max_seq_length: int | None = None  # sentence_bert_config.json's cap; None: the model's position limit
+    matryoshka: bool = False  # trained so that a prefix of the vector is itself an embedding (`dimensions` allowed)
+
+
+def is_cross_encoder_dir(path: Path) -> bool:
+    """A sequence-classification model: AutoModel would load its encoder and drop the head it was trained with."""
+    config = path / "config.json"
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
+
+
+def is_pooling_dir(path: Path) -> bool:
+    """A sentence-transformers directory, or a Hugging Face directory whose architecture is not a generator."""
+    if (path / "modules.json").is_file():
+        return True
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return bool(architectures) and not any(a.endswith(GENERATIVE_SUFFIXES) for a in architectures)
+
+
+def read_pooling_config(path: Path) -> PoolingConfig:
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return PoolingConfig()  # sentence-transformers' default for a bare encoder
+    modules = json.loads(modules_file.read_text())
+    kinds = {m["type"].rsplit(".", 1)[-1]: m for m in modules}
+    unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+    if unknown:  # a Dense projection, say: serving without it would give vectors that differ silently
+        raise ConfigError(f"{path}: sentence-transformers modules {sorted(unknown)} are not supported; "
+                          "supported: Transformer, Pooling, Normalize", param="model")
+    config = PoolingConfig(normalize="Normalize" in kinds)
+    if "Pooling" in kinds:
+        pooling = json.loads((path / kinds["Pooling"]["path"] / "config.json").read_text())
+        modes = [mode for flag, mode in POOLING_FLAGS.items() if pooling.get(flag)]
+        if pooling.get("pooling_mode_weightedmean_tokens") or len(modes) != 1:
+            raise ConfigError(f"{path}: pooling {pooling} is not supported; exactly one of "
+                              f"{', '.join(POOLING_MODES)} must be set", param="model")
+        config.pooling = modes[0]
+    bert_config = path / "sentence_bert_config.json"
+    if bert_config.is_file():
+        config.max_seq_length = json.loads(bert_config.read_text()).get("max_seq_length")
+    st_config = path / "config_sentence_transformers.json"
+    if st_config.is_file():
+        config.matryoshka = bool(json.loads(st_config.read_text()).get("matryoshka_dims"))
+    return config
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Token states -> one vector per row. hidden: [B, T, H]; mask: [B, T], 1 for real tokens, padding on the
+    right. Returns [B, H]."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
+    lengths = mask.sum(dim=1)  # [B]
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "lasttoken":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    if mode == "max":
+        return hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).amax(dim=1)
+    summed = (hidden * weights).sum(dim=1)
+    counts = lengths.clamp(min=1).unsqueeze(-1).to(hidden.dtype)
+    return summed / counts if mode == "mean" else summed / counts.sqrt()  # mean_sqrt_len
+
+
+@dataclass
+class PoolingModel:
+    """An encoder (or a decoder's body) with the pooling its directory asks for. What the embedding worker runs."""
+
+    model: Any  # a transformers AutoModel: returns last_hidden_state
+    tokenizer: Any
+    name: str
+    config: PoolingConfig
+    max_context: int  # tokens per input, special tokens included
+    dtype_reason: str = "chosen by the caller"
+    prepack: str = "off: pooling models run the plain transformers forward"
+    ranks: Any = None  # never tensor parallel; the attribute the server's health checks read
+    kind = "embedding"
+    scores_pairs = False  # a bi-encoder: rerank and score compare its vectors (a cross-encoder scores the pair)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def dimensions(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else 0  # masked out either way
+
+    def encode_text(self, text: str, limit: int | None = None) -> list[int]:
+        """With the tokenizer's special tokens ([CLS] ... [SEP] for BERT), as sentence-transformers tokenizes;
+        `limit` cuts the end the same way its truncation does (the special tokens kept)."""
+        if limit is None:
+            return list(self.tokenizer(text)["input_ids"])
+        return list(self.tokenizer(text, truncation=True, max_length=limit)["input_ids"])
+
+    @torch.inference_mode()
+    def embed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Token-id rows -> [len(rows), H] float32 vectors, one padded pass."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+        vectors = pool(hidden.float(), mask, self.config.pooling)
+        if self.config.normalize:
+            vectors = torch.nn.functional.normalize(vectors, p=2, dim=1)
+        return vectors.cpu()
+
+
+def load_pooling_model(source: str, name: str, device: torch.device, dtype: torch.dtype, dtype_reason: str,
+                       max_model_len: int | None = None) -> PoolingModel:
+    from transformers import AutoModel, AutoTokenizer
+
+    path = Path(source)
+    config = read_pooling_config(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModel.from_pretrained(source, dtype=dtype, device_map=device)
+    except OSError as err:
+        raise ConfigError(f"could not load embedding model {name!r}: {err}", param="model") from err
+    model.eval()
+    limit = config.max_seq_length or getattr(model.config, "max_position_embeddings", None) or 512
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {limit}", param="max_model_len")
+        limit = max_model_len
+    return PoolingModel(model=model, tokenizer=tokenizer, name=name, config=config, max_context=limit,
+                        dtype_reason=dtype_reason)
