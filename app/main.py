@@ -28,6 +28,7 @@ from app.api import BODY_MODELS, WEB_DIR, public, router
 from app.config import Settings
 from app.core.engine.tensor_parallel import run_follower
 from app.errors import ServeError, ShuttingDown
+from app import progress
 from app.logs import JsonFormatter, LogFormatter, escape_controls
 from app.request_id import RequestIdFilter, current as current_request_id, request_id_from
 from app.models.distributed import launched_rank
@@ -317,6 +318,13 @@ def log_to_stderr(level: str, fmt: str, log_format: str = "plain") -> None:
     handler.setFormatter(JsonFormatter() if log_format == "json" else LogFormatter(fmt))
     handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if log_format == "json":  # progress bars are not log lines: off, and our notes become records
+        import huggingface_hub.utils
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+        progress.as_log_records = True
 
 
 def run_server(settings: Settings) -> int:
