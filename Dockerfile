@@ -37,10 +37,11 @@ WORKDIR /src
 
 # Dependencies first, in their own layer, with a placeholder package: editing app/ does not
 # re-download torch (several GB). [convert] (gguf, accelerate) is needed to fetch and convert the
-# embedded default model on first start, so it is part of the serving image too.
+# embedded default model on first start, so it is part of the serving image too; [otel] exports
+# traces when OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/operations.md), and costs nothing otherwise.
 COPY pyproject.toml README.md ./
 RUN mkdir app && touch app/__init__.py \
- && pip install --no-cache-dir "./[convert]"
+ && pip install --no-cache-dir "./[convert,otel]"
 
 COPY app/ app/
 # Reinstall just the package, over the placeholder; then import it from the venv (-I: not from

@@ -439,7 +439,9 @@ def test_dockerfile_runtime_contract():
     assert re.search(r"python3? -m app( .*)? serve", joined), joined
     # the builder installs the convert extra (first-start fetch of the embedded model needs it)
     builder = _stage(stages, "builder")
-    assert any("pip install" in r and "[convert]" in r for r in builder.all("RUN"))
+    assert any("pip install" in r and "[convert," in r for r in builder.all("RUN"))
+    # and the otel extra: traces are one environment variable away in the image (docs/operations.md)
+    assert any("pip install" in r and ",otel]" in r for r in builder.all("RUN"))
 
 
 def test_dockerfile_demo_stage_bakes_embedded_model_outside_the_volume():
