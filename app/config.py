@@ -112,11 +112,11 @@ class Settings(BaseSettings):
     sse_send_timeout_s: float = Field(30.0, gt=0, description="a stream whose client accepts no event or ping for "
                                       "this long (it stopped reading) is ended and its generation cancelled")
     queue_timeout_s: float | None = Field(None, gt=0, description="longest a request may wait for a decode slot; "
-                                          "past it, 503 with Retry-After, and it never starts (unset: no limit)")
+                                          "past it, a 503 that says when to retry, and it never starts (unset: no limit)")
     request_timeout_s: float | None = Field(None, gt=0, description="longest a whole request may run, from arrival; "
                                             "past it, generation ends at that step with finish_reason `timeout` "
-                                            "(unset: no limit). A request's `x-request-timeout` header can only "
-                                            "shorten it")
+                                            "(unset: no limit). A request's own timeout header can only shorten "
+                                            "it (docs/operations.md)")
     health_generate_timeout_s: float = Field(10.0, gt=0, description="/health/generate answers 503 when the "
                                              "engine has had work but completed no step for this long, or when "
                                              "idle, cannot generate one token within it")
