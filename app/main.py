@@ -239,7 +239,9 @@ class AccessAndLimits:
         duration = time.perf_counter() - started
         reasons = info.get("finish_reasons")
         # the path as received, but on one line: `%0a` in a URL must not write a forged line of its own
-        log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),
+        # the response's id (chatcmpl-<request id>) once it has one, else the request id itself
+        log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs",
+                 info.get("request_id") or info.get("x_request_id", "-"),
                  scope.get("method"), escape_controls(path), status, info.get("prompt_tokens", "-"),
                  info.get("completion_tokens", "-"),
                  f" ttft={ttft:.3f}s" if ttft is not None else "", duration,
