@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -71,6 +72,9 @@ def test_the_requests_log_lines_carry_its_id_one_json_object_each(server, caplog
         httpx.post(server.url + CHAT, json=chat_body(model="other"), headers={"x-request-id": "find-me-8"})
         monkeypatch.setattr(step_module, "run_pass", lambda *a, **k: 1 / 0)  # a failure the serving layer logs
         httpx.post(server.url + CHAT, json=chat_body(stream=True), headers={"x-request-id": "find-me-9"})
+        deadline = time.monotonic() + 5  # an access line is written once its response is out: maybe a bit later
+        while len([r for r in caplog.records if r.name == "app.access"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
     lines = [JsonFormatter().format(record) for record in caplog.records]
     records = [json.loads(line) for line in lines]
     assert all("\n" not in line for line in lines)
