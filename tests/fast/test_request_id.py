@@ -85,4 +85,5 @@ def test_the_requests_log_lines_carry_its_id_one_json_object_each(server, caplog
     assert ok["path"] == CHAT and "chatcmpl-find-me-7" in ok["message"]
     assert missing["status"] == 404 and "model" not in missing
     failed = [r for r in records if r.get("request_id") == "find-me-9"]
-    assert {r["logger"] for r in failed} >= {"app.openai.serving", "app.access"}, failed  # the warning, too
+    # the engine thread's error, the serving layer's warning and the access line
+    assert {r["logger"] for r in failed} >= {"app.core.engine.engine", "app.openai.serving", "app.access"}, failed

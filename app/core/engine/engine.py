@@ -363,7 +363,9 @@ class Engine:
         """End these requests with a clean error; their caches go with them."""
         if not handles:
             return
-        log.error("generation failed for %s: %r", [h.request_id for h in handles], err)
+        # the worker thread has no request context: a lone request's id goes on the record itself (JSON logs)
+        log.error("generation failed for %s: %r", [h.request_id for h in handles], err,
+                  extra={"request_id": handles[0].request_id} if len(handles) == 1 else None)
         err = without_frames(err)  # the frames it passed through would keep its neighbours' caches alive
         # A ServeError is the request's own (its grammar reached a dead end, say) and says so; anything else is ours.
         error = err if isinstance(err, ServeError) else GenerationFailed(f"generation failed: {type(err).__name__}: "
