@@ -37,10 +37,11 @@ WORKDIR /src
 
 # Dependencies first, in their own layer, with a placeholder package: editing app/ does not
 # re-download torch (several GB). [convert] (gguf, accelerate) is needed to fetch and convert the
-# embedded default model on first start, so it is part of the serving image too.
+# embedded default model on first start, so it is part of the serving image too; [otel] exports
+# traces when OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/operations.md), and costs nothing otherwise.
 COPY pyproject.toml README.md ./
 RUN mkdir app && touch app/__init__.py \
- && pip install --no-cache-dir "./[convert]"
+ && pip install --no-cache-dir "./[convert,otel]"
 
 COPY app/ app/
 # Reinstall just the package, over the placeholder; then import it from the venv (-I: not from
@@ -95,10 +96,11 @@ WORKDIR /home/serve
 EXPOSE 8000
 USER ${APP_UID}:${APP_UID}
 
-# Liveness only (/health); readiness (/ready) is for load balancers. A long start period covers
-# the first download/conversion of a model. Python's urllib avoids adding curl to the image.
-HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '8000'), timeout=4)"]
+# Liveness only (/health/generate: the engine makes progress, docs/operations.md); readiness (/ready)
+# is for load balancers. A long start period covers the first download/conversion of a model. The
+# probe may take up to HEALTH_GENERATE_TIMEOUT_S (10 s) when idle. Python's urllib avoids adding curl.
+HEALTHCHECK --interval=30s --timeout=15s --start-period=10m --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/generate' % os.environ.get('PORT', '8000'), timeout=14)"]
 
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/bin/tini", "--", "/opt/venv/bin/python", "-m", "app"]

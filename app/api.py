@@ -155,6 +155,13 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+@public.get("/health/generate")
+async def health_generate(state: State) -> JSONResponse:
+    # Liveness that sees the engine: 200 only with proof of forward progress (app/probes.py).
+    status, body = await state.probe.check(state)
+    return JSONResponse(body, status_code=status)
+
+
 @public.get("/ready")
 async def ready(state: State) -> JSONResponse:
     if error := state.engine_error:

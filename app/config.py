@@ -111,6 +111,17 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long in-flight requests may run after SIGTERM")
     sse_send_timeout_s: float = Field(30.0, gt=0, description="a stream whose client accepts no event or ping for "
                                       "this long (it stopped reading) is ended and its generation cancelled")
+    queue_timeout_s: float | None = Field(None, gt=0, description="longest a request may wait for a decode slot; "
+                                          "past it, a 503 that says when to retry, and it never starts (unset: no limit)")
+    request_timeout_s: float | None = Field(None, gt=0, description="longest a whole request may run, from arrival; "
+                                            "past it, generation ends at that step with finish_reason `timeout` "
+                                            "(unset: no limit). A request's own timeout header can only shorten "
+                                            "it (docs/operations.md)")
+    health_generate_timeout_s: float = Field(10.0, gt=0, description="/health/generate answers 503 when the "
+                                             "engine has had work but completed no step for this long, or when "
+                                             "idle, cannot generate one token within it")
+    log_format: Literal["plain", "json"] = Field("plain", description="json: one JSON object per log line, with "
+                                                 "the request id and the access line's fields")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

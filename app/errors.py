@@ -52,6 +52,20 @@ class ShuttingDown(ServeError):
         super().__init__(message, code="service_unavailable")
 
 
+class QueueTimeout(ServeError):
+    """A request waited for a decode slot longer than its queue limit (QUEUE_TIMEOUT_S, or its own deadline) and
+    never started. 503, not 429: the client sent nothing wrong and no faster than allowed; this replica is too busy
+    to start it in time, which is what 503 with Retry-After says to a load balancer (retry elsewhere) and to the
+    openai and anthropic SDKs (retry after a pause; on /v1/messages it is Anthropic's 529 overloaded_error)."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, code="queue_timeout")
+        self.retry_after_s = retry_after_s
+
+
 class ConfigError(ServeError):
     """A setting (model path, device, dtype) that cannot work; raised at startup, before anything is served."""
 

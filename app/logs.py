@@ -9,13 +9,17 @@
 - `escape_controls`: control characters (newline, carriage return, escape...) written as `\\n`, `\\x1b`, so that a
   URL path such as `/x%0a2026-12-02 ... 200` cannot forge a line of its own in the access log.
 - `LogFormatter`: the process's formatter (`run_server`), doing both for every logger, uvicorn's included.
+- `JsonFormatter` (LOG_FORMAT=json): the same records, each one JSON object on one line (JSON escapes every control
+  character), with the request id (app/request_id.py) and, on the access line, the request's fields.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import traceback
+from datetime import datetime, timezone
 
 HEAD_FRAMES = 60  # distinct lines: a route's whole way down (about 35) and more
 TAIL_FRAMES = 12
@@ -87,3 +91,24 @@ class LogFormatter(logging.Formatter):
 
     def formatException(self, ei) -> str:  # noqa: N802 (logging's name)
         return bounded_traceback(ei[1]) if ei[1] is not None else ""
+
+
+# The access line's fields (app/main.py `AccessAndLimits._log`), written where a record has them.
+ACCESS_FIELDS = ("request_id", "method", "path", "status", "model", "prompt_tokens", "completion_tokens", "ttft_s",
+                 "duration_s", "finish_reason", "cancelled")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: timestamp (UTC, ISO 8601), level, logger, message, the request id and the
+    access fields a record carries, and a bounded traceback under `exception`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"timestamp": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+                "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        for name in ACCESS_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                line[name] = value
+        if record.exc_info and record.exc_info[1] is not None:
+            line["exception"] = bounded_traceback(record.exc_info[1])
+        return json.dumps(line, ensure_ascii=True, default=str)  # ASCII: U+2028 would split a line for some readers

@@ -27,8 +27,10 @@ from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_
 from app.api import BODY_MODELS, WEB_DIR, public, router
 from app.config import Settings
 from app.core.engine.tensor_parallel import run_follower
-from app.errors import Overloaded, ServeError, ShuttingDown
-from app.logs import LogFormatter, escape_controls
+from app.errors import ServeError, ShuttingDown
+from app import progress
+from app.logs import JsonFormatter, LogFormatter, escape_controls
+from app.request_id import RequestIdFilter, current as current_request_id, request_id_from
 from app.models.distributed import launched_rank
 from app.models.loading import LoadedModel, load_model
 from app.openai.serving import error_body
@@ -61,7 +63,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")  # the playground's script and style
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-sampling-params"])
+                           allow_headers=["*"], expose_headers=["x-sampling-params", "x-request-id"])
     app.add_middleware(AccessAndLimits, state=state)
     app.add_middleware(CatchAll)  # outermost of ours: also catches what the middlewares above raise
     install_error_handlers(app)
@@ -100,7 +102,8 @@ def error_response(request: Request, status: int, body: dict, headers: dict | No
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, err: ServeError) -> JSONResponse:
-        headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded) else None
+        retry_after = getattr(err, "retry_after_s", None)  # Overloaded, QueueTimeout
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
         return error_response(request, err.status, error_body(err), headers)
 
     @app.exception_handler(RequestValidationError)
@@ -148,9 +151,10 @@ class CatchAll:
             await asyncio.to_thread(logging.getLogger("app").error, "unhandled error in %s %s", scope.get("method"),
                                     escape_controls(scope.get("path", "")), exc_info=err)
             if not started:  # else a response is half sent: nothing more can be said on it
+                request_id = scope.get("state", {}).get("x_request_id")
                 await error_response(Request(scope), 500, {"error": {
                     "message": f"internal error: {type(err).__name__}", "type": "server_error", "param": None,
-                    "code": None}})(scope, receive, send)
+                    "code": None}}, {"x-request-id": request_id} if request_id else None)(scope, receive, send)
 
 
 class AccessAndLimits:
@@ -167,9 +171,18 @@ class AccessAndLimits:
         limit = self.state.settings.max_request_bytes
         started = time.perf_counter()
         status = {"code": 500}
-        length = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        request_id = request_id_from(headers.get(b"x-request-id"))
+        info = scope.setdefault("state", {})
+        info["x_request_id"], info["arrived"], info["arrived_ns"] = request_id, started, time.time_ns()
+        id_header = (b"x-request-id", request_id.encode("ascii"))
+        token = current_request_id.set(request_id)  # the request's tasks inherit it: its log lines carry it
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await self._too_large(send, limit, scope)
+            try:
+                return await self._too_large(send, limit, scope, id_header)
+            finally:
+                current_request_id.reset(token)
         received, too_large = 0, False
 
         async def limited_receive():
@@ -186,6 +199,7 @@ class AccessAndLimits:
                 return  # FastAPI turns a failed body read into its own 400; the answer is our 413
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
             await send(message)
 
         try:
@@ -193,36 +207,51 @@ class AccessAndLimits:
         except BodyTooLarge:
             pass
         finally:
-            if too_large:
-                await self._too_large(send, limit, scope)
-            else:
-                self._log(scope, status["code"], started)
+            try:
+                if too_large:
+                    await self._too_large(send, limit, scope, id_header)
+                else:
+                    self._log(scope, status["code"], started)
+                    if self.state.tracing is not None and scope.get("path") in GENERATION_PATHS:
+                        self.state.tracing.record(scope, info, status["code"])
+            finally:
+                current_request_id.reset(token)
 
-    async def _too_large(self, send, limit: int, scope) -> None:
+    async def _too_large(self, send, limit: int, scope, id_header: tuple[bytes, bytes]) -> None:
         message = f"request body exceeds {limit} bytes"
         error = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                            "code": "request_too_large"}}
         body = json.dumps(anthropic_error(413, message) if is_messages_path(scope.get("path", "")) else error).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                id_header]})
         await send({"type": "http.response.body", "body": body})
         self._log(scope, 413, time.perf_counter())
 
     def _log(self, scope, status: int, started: float) -> None:
         path = scope.get("path", "")
-        if path in ("/health", "/ready", "/metrics"):
+        if path in ("/health", "/health/generate", "/ready", "/metrics"):
             return  # probes every few seconds would drown the log
         info = scope.get("state", {})
         # A stream that failed after its 200 counts as the error it ended with (the client saw an error event).
         status = info.get("failed_status", status)
         self.state.metrics.requests.labels(path if path in COUNTED_PATHS else "other", str(status)).inc()
         ttft = info.get("ttft_s")
+        duration = time.perf_counter() - started
+        reasons = info.get("finish_reasons")
         # the path as received, but on one line: `%0a` in a URL must not write a forged line of its own
-        log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs", info.get("request_id", "-"),
+        # the response's id (chatcmpl-<request id>) once it has one, else the request id itself
+        log.info("%s %s %s %d prompt=%s completion=%s%s duration=%.3fs",
+                 info.get("request_id") or info.get("x_request_id", "-"),
                  scope.get("method"), escape_controls(path), status, info.get("prompt_tokens", "-"),
                  info.get("completion_tokens", "-"),
-                 f" ttft={ttft:.3f}s" if ttft is not None else "", time.perf_counter() - started,
-                 extra={"cancelled": info.get("cancelled", False)})
+                 f" ttft={ttft:.3f}s" if ttft is not None else "", duration,
+                 extra={"cancelled": info.get("cancelled", False), "request_id": info.get("x_request_id"),
+                        "method": scope.get("method"), "path": path, "status": status,
+                        "model": self.state.settings.model_id if "prompt_tokens" in info else None,
+                        "prompt_tokens": info.get("prompt_tokens"), "completion_tokens": info.get("completion_tokens"),
+                        "ttft_s": round(ttft, 6) if ttft is not None else None, "duration_s": round(duration, 6),
+                        "finish_reason": (reasons[0] if len(reasons) == 1 else reasons) if reasons else None})
 
 
 class BodyTooLarge(Exception):
@@ -285,21 +314,33 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def log_to_stderr(level: str, fmt: str) -> None:
+def log_to_stderr(level: str, fmt: str, log_format: str = "plain") -> None:
     """Every logger's records, uvicorn's included, through app/logs.py's formatter: one line per message, and
-    tracebacks bounded."""
+    tracebacks bounded; LOG_FORMAT=json: one JSON object per line. Each record carries its request's id."""
     handler = logging.StreamHandler()
-    handler.setFormatter(LogFormatter(fmt))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else LogFormatter(fmt))
+    handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if log_format == "json":  # progress bars are not log lines: off, and our notes become records
+        import huggingface_hub.utils
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+        progress.as_log_records = True
 
 
 def run_server(settings: Settings) -> int:
-    log_to_stderr(settings.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s", settings.log_format)
     if settings.tensor_parallel > 1:
         launched_rank(settings.tensor_parallel)  # torchrun started us, one process per rank: say how otherwise
     app = create_app(settings)
+    # JSON: uvicorn's own lines ("Started server process"...) go through the root handler too (its default config
+    # gives them a plain handler of their own), so that every line is one JSON object.
+    json_logs = {"log_config": None} if settings.log_format == "json" else {}
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)))
+                            access_log=False, timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+                            **json_logs)
     server = GracefulServer(config, app.state.serve)
     server.run()
     return server.exit_code

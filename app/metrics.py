@@ -42,7 +42,11 @@ class Metrics:
         self.draft_tokens = Counter(f"{PREFIX}_spec_draft_tokens", "n-gram draft tokens verified", registry=r)
         self.accepted_tokens = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.finished = Counter(f"{PREFIX}_generations_finished", "generations by finish reason (stop, length; "
-                                "error: the model failed; abort: the server gave up on it)", ["reason"], registry=r)
+                                "timeout: its deadline passed; error: the model failed; abort: the server gave up "
+                                "on it)", ["reason"], registry=r)
+        self.deadlines_exceeded = Counter(f"{PREFIX}_deadlines_exceeded", "requests ended by a deadline, by stage: "
+                                          "queue (never started, 503), run (ended mid-generation, finish reason "
+                                          "timeout)", ["stage"], registry=r)
         self.kv_cache_budget = Gauge(f"{PREFIX}_kv_cache_budget_bytes", "KV cache bytes the engine may hold "
                                      "(KV_CACHE_BYTES)", registry=r)
         self.kv_cache_reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV cache bytes reserved by admitted "

@@ -8,16 +8,22 @@ instead of a stream of carriage returns.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from tqdm import tqdm
 
+as_log_records = False  # LOG_FORMAT=json: notes become log records (one JSON object per line), bars are off
+
 
 def bar(**kwargs) -> tqdm:
-    return tqdm(file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True, **kwargs)
+    return tqdm(file=sys.stderr, disable=as_log_records or not sys.stderr.isatty(), dynamic_ncols=True, **kwargs)
 
 
 def note(message: str) -> None:
     """A log line on stderr that does not tear a bar being drawn (tqdm moves the bar below it)."""
+    if as_log_records:
+        logging.getLogger("app.progress").info(message)
+        return
     tqdm.write(message, file=sys.stderr)
     sys.stderr.flush()

@@ -23,6 +23,8 @@ from app.core.sampling import SamplingParams
 from app.openai.embeddings.serving import EmbeddingServing
 from app.openai.serving import CompletionServing
 from app.prepare import Preparing
+from app.probes import GenerateProbe
+from app.tracing import tracing_from_env
 
 log = logging.getLogger("app.state")
 
@@ -69,6 +71,9 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.probe = GenerateProbe(settings.health_generate_timeout_s)  # /health/generate (app/probes.py)
+        self.probe_prompt: list[int] = []
+        self.tracing = tracing_from_env()  # None unless OTEL_EXPORTER_OTLP_ENDPOINT is set (app/tracing.py)
 
     async def load(self) -> None:
         s = self.settings
@@ -126,7 +131,8 @@ class ServerState:
             self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
         self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                          grammar_limits(s), s.sse_send_timeout_s, self.preparing,
-                                         s.grammar_client_header)
+                                         s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s)
+        self.probe_prompt = self.lm.encode_text("Hello")
         await self._warm_up()
 
     @property
@@ -170,3 +176,5 @@ class ServerState:
         self.preparing.close()
         if self.lm is not None and self.lm.ranks is not None:
             self.lm.ranks.close()  # the other ranks exit with us
+        if self.tracing is not None:
+            self.tracing.close()  # sends what is still batched, within the exporter's timeout

@@ -37,7 +37,9 @@ from app.openai.sse import event_stream
 
 log = logging.getLogger("app.anthropic.serving")
 PING_S = 5.0  # a `ping` event after this long without any other
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
+# A deadline's "timeout" is Anthropic's "max_tokens": the answer was cut short by a limit, which is what its clients
+# know how to show; Anthropic has no reason of its own for it (docs/operations.md).
+STOP_REASONS = {"length": "max_tokens", "timeout": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 
 
 class MessagesServing:
@@ -56,9 +58,10 @@ class MessagesServing:
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:
             raise renamed(err)
-        answer = Answer(self.serving.model_id, len(prompt_ids))
+        answer = Answer(self.serving.model_id, len(prompt_ids), getattr(request.state, "x_request_id", None))
         request.state.request_id = answer.id
         if body.stream:
+            await self.serving.started(choices)
             return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
         await self.serving.collect(choices, request)
         choice = choices[0]
@@ -135,8 +138,8 @@ async def with_pings(items: AsyncIterator, every: float) -> AsyncIterator:
 class Answer:
     """One message being written: its content blocks so far, and the events that announce them."""
 
-    def __init__(self, model_id: str, input_tokens: int):
-        self.id = "msg_" + uuid.uuid4().hex[:24]
+    def __init__(self, model_id: str, input_tokens: int, request_id: str | None = None):
+        self.id = "msg_" + (request_id or uuid.uuid4().hex[:24])
         self.model_id = model_id
         self.input_tokens = input_tokens
         self.blocks: list[dict[str, Any]] = []

@@ -23,6 +23,9 @@ from app.core.stopping import StopStringFilter, special_stop_ids, token_finish_r
 from app.errors import InvalidRequest
 
 
+NO_TOKEN = -1  # the token_id of a last event that carries no token: a deadline ended the sequence between steps
+
+
 @dataclass
 class TokenEvent:
     """One generated token, as a caller sees it."""
@@ -32,7 +35,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     inspection: Inspection | None = None  # each stage's top candidates, when params.inspect asks for them
-    finish_reason: str | None = None  # "stop" | "length" on the last event
+    finish_reason: str | None = None  # "stop" | "length" | "timeout" on the last event
     stop_string: str | None = None  # the stop string (of params.stop) that ended generation, if one did
     prompt_logprobs: list[PromptLogprob] | None = None  # on the first event, when params.prompt_logprobs asks
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.sequence import TokenEvent
+from app.core.sequence import NO_TOKEN, TokenEvent
 from app.core.engine.handle import RequestHandle
 from app.core.sampling import Inspection
 from app.openai.reasoning import ReasoningSplitter
@@ -87,10 +87,11 @@ class Choice:
         """Record one token event in its choice; return what it shows the client."""
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
-        self.tokens += 1
+        is_token = event.token_id != NO_TOKEN  # a deadline's last event carries no token
+        self.tokens += is_token
         reasoning, content = "", event.text
         if self.splitter is not None:
-            self.reasoning_tokens += self.splitter.state != "content"
+            self.reasoning_tokens += is_token and self.splitter.state != "content"
             reasoning, content = self.splitter.feed(event.text)
             if event.finish_reason is not None:
                 more_reasoning, more_content = self.splitter.flush()

@@ -359,8 +359,10 @@ def default_sampling(model_defaults: dict[str, Any]) -> dict[str, Any]:
                                       "presence_penalty", "frequency_penalty")}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    """`prefix-<request id>`: the request's `x-request-id` (app/request_id.py), so a response and the log lines
+    about it share one id; a fresh one where there is none."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from app.core.engine.engine import Engine
+from app.deadlines import HEADER, request_deadlines
 from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
@@ -45,8 +46,10 @@ def error_body(err: ServeError) -> dict[str, Any]:
 class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
-                 preparing: Preparing | None = None, grammar_client_header: str | None = None):
+                 preparing: Preparing | None = None, grammar_client_header: str | None = None,
+                 queue_timeout_s: float | None = None, request_timeout_s: float | None = None):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
+        self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
@@ -118,7 +121,11 @@ class CompletionServing:
         params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max, tenant)
                   for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
-        choices = self._submit(prompt_ids, params, thinking)
+        deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
+                                      self.queue_timeout_s, self.request_timeout_s)
+        request.state.sampling = params[0]  # for the trace's attributes
+        choices = self._submit(prompt_ids, params, thinking, deadlines, getattr(request.state, "x_request_id", None))
+        request.state.choices = choices  # for the log line and the trace, once the answer is out
         if chat and body.parse_tools:
             for choice in choices:
                 choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls)
@@ -126,13 +133,27 @@ class CompletionServing:
         headers = {"x-sampling-params": sampling_header(params[0])}
         return choices, headers
 
+    async def started(self, choices: list[Choice]) -> None:
+        """With a deadline, a stream's 200 waits until its choices have left the queue, so that a queue timeout is
+        still an HTTP error with Retry-After; without one, a stream starts at once, as it always has."""
+        if all(c.handle.deadline is None and c.handle.queue_deadline is None for c in choices):
+            return
+        try:
+            for c in choices:
+                await c.handle.wait_until_started()
+        except BaseException:
+            for c in choices:  # all or nothing, as at submit
+                c.handle.cancel(client_left=False)
+            raise
+
     async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool, echo: Echo | None = None):
         grammar = await self.grammar(body, request)
         choices, headers = self.start(body, request, prompt_ids, chat, grammar)
         kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        response_id = new_id(kind[0])
+        response_id = new_id(kind[0], getattr(request.state, "x_request_id", None))
         request.state.request_id = response_id
         if body.stream:
+            await self.started(choices)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request,
                                   echo or Echo())
@@ -141,12 +162,17 @@ class CompletionServing:
         return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids), echo or Echo()),
                             headers=headers)
 
-    def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None) -> list[Choice]:
+    def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
+                deadlines: tuple[float | None, float | None] = (None, None),
+                request_id: str | None = None) -> list[Choice]:
         choices: list[Choice] = []
+        queue_deadline, deadline = deadlines
         try:
             for i, p in enumerate(params):
                 splitter = ReasoningSplitter(thinking) if thinking is not None else None
-                choices.append(Choice(i, self.engine.submit(prompt_ids, p), splitter))
+                handle_id = f"{request_id}/{i}" if request_id and len(params) > 1 else request_id  # engine's log
+                choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline),
+                                      splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running
                 choice.handle.cancel()
@@ -349,6 +375,7 @@ def sampling_header(params: SamplingParams) -> str:
 def record_timing(request: Request, choices: list[Choice]) -> None:
     """For the access log line."""
     request.state.completion_tokens = sum(c.tokens for c in choices)
+    request.state.finish_reasons = [c.finish_reason for c in choices]
     first = choices[0].handle
     if first.first_token_at is not None:
         request.state.ttft_s = first.first_token_at - first.submitted_at

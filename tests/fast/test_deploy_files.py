@@ -203,7 +203,7 @@ def _healthcheck_cmd(stage: Stage) -> list[str]:
 
 
 class _Health:
-    """A loopback HTTP server answering /health with a settable status code."""
+    """A loopback HTTP server answering /health and /health/generate with a settable status code."""
 
     def __init__(self):
         state = self
@@ -211,7 +211,7 @@ class _Health:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 state.paths.append(self.path)
-                code = state.status if self.path == "/health" else 404
+                code = state.status if self.path in ("/health", "/health/generate") else 404
                 self.send_response(code)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
@@ -250,9 +250,9 @@ def _run_healthcheck(argv: list[str], port: int) -> int:
 def _assert_healthcheck_behaviour(argv: list[str], srv: _Health) -> None:
     srv.status = 200
     assert _run_healthcheck(argv, srv.port) == 0
-    assert srv.paths[-1] == "/health"
+    assert srv.paths[-1] == "/health/generate", "liveness is the probe that sees the engine"
     srv.status = 503
-    assert _run_healthcheck(argv, srv.port) != 0, "a 503 from /health must fail the healthcheck"
+    assert _run_healthcheck(argv, srv.port) != 0, "a 503 from /health/generate must fail the healthcheck"
     srv.status = 200
     with socket_closed_port() as closed:
         assert _run_healthcheck(argv, closed) != 0, "nothing listening must fail the healthcheck"
@@ -431,15 +431,17 @@ def test_dockerfile_runtime_contract():
     for key in ("MODEL_CACHE", "HF_HOME"):
         path = PurePosixPath(rt.env[key])
         assert any(path.is_relative_to(v) for v in volumes), f"{key}={path} is not on a VOLUME"
-    # liveness via /health
-    assert "/health" in " ".join(_healthcheck_cmd(rt))
+    # liveness via /health/generate
+    assert "/health/generate" in " ".join(_healthcheck_cmd(rt))
     # runs the app's serve command
     cmdline = json.loads(rt.one("ENTRYPOINT")) + json.loads(rt.one("CMD"))
     joined = " ".join(cmdline)
     assert re.search(r"python3? -m app( .*)? serve", joined), joined
     # the builder installs the convert extra (first-start fetch of the embedded model needs it)
     builder = _stage(stages, "builder")
-    assert any("pip install" in r and "[convert]" in r for r in builder.all("RUN"))
+    assert any("pip install" in r and "[convert," in r for r in builder.all("RUN"))
+    # and the otel extra: traces are one environment variable away in the image (docs/operations.md)
+    assert any("pip install" in r and ",otel]" in r for r in builder.all("RUN"))
 
 
 def test_dockerfile_demo_stage_bakes_embedded_model_outside_the_volume():
@@ -558,7 +560,7 @@ def test_compose_gpu_service(compose_project):
         assert any(path.is_relative_to(v["target"]) for v in named), f"{key} not on a volume"
     # healthcheck, restart, graceful shutdown longer than the drain
     hc = svc["healthcheck"]
-    assert hc["test"][0] == "CMD" and "/health" in " ".join(hc["test"])
+    assert hc["test"][0] == "CMD" and "/health/generate" in " ".join(hc["test"])
     assert svc["restart"] in ("unless-stopped", "always", "on-failure")
     grace = float(env["SHUTDOWN_GRACE_S"])
     assert grace == float(APP_SETTINGS["SHUTDOWN_GRACE_S"])
@@ -696,7 +698,7 @@ def test_k8s_deployment_gpu_probes_and_ports():
         return get["path"], named.get(get["port"], get["port"])
 
     assert probe_target("readinessProbe") == ("/ready", port)
-    assert probe_target("livenessProbe") == ("/health", port)
+    assert probe_target("livenessProbe") == ("/health/generate", port)
     if "startupProbe" in c:
         assert probe_target("startupProbe")[0] == "/health"
     ann = pod["metadata"]["annotations"]

@@ -12,6 +12,11 @@ Backpressure: at most `max_active` sequences decode at once and at most `max_que
 raises `Overloaded` at once. A request is admitted only when its worst-case KV cache (prompt + max_tokens) fits
 the KV budget (app/core/engine/kv_budget.py); until then it waits, so memory never grows without bound.
 
+Deadlines (each request's own, set by the caller at submit): checked at the start of every step, so a request
+ends at most one step late. A request still queued past its queue deadline (or its whole deadline) ends with
+`QueueTimeout` and never starts; a running one past its deadline ends there with a last event that carries no
+token and finish reason "timeout", and its slot, KV and grammar state go with its Sequence.
+
 Failures: a forward pass that raises fails only that pass's requests (after an out-of-memory error, its rows are
 first retried in smaller groups, see app/core/engine/step.py); the engine keeps serving. If the worker thread itself dies,
 every request in flight or queued gets `EngineDead`, later submits too, and `alive` turns False for the probes.
@@ -31,9 +36,9 @@ from typing import Callable
 
 import torch
 
-from app.errors import Overloaded, ServeError, ShuttingDown
+from app.errors import Overloaded, QueueTimeout, ServeError, ShuttingDown
 from app.core.runner.packed import enable_packed_batching
-from app.core.sequence import Sequence, TokenEvent, check_request
+from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
@@ -65,6 +70,10 @@ def release_free_heap() -> None:
 
 
 _malloc_trim = None  # libc's malloc_trim once looked up; False where there is none
+
+
+def _past(deadline: float | None, now: float) -> bool:
+    return deadline is not None and now >= deadline
 
 
 class Engine:
@@ -106,6 +115,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._sampling_pool: ThreadPoolExecutor | None = None
         self._runner: StepRunner | None = None  # built in the worker once the model is loaded
+        # Forward progress, on the monotonic clock, for /health/generate: when the current (or last) step began,
+        # and when the last one ended.
+        self.step_started_at = self.step_ended_at = 0.0
 
     # ---- called from the event loop ----
 
@@ -136,14 +148,17 @@ class Engine:
             self._abort = err
             self._wake.notify()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               queue_deadline: float | None = None, deadline: float | None = None) -> RequestHandle:
+        """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent.
+        The deadlines are `time.perf_counter()` times (see the module docstring)."""
         if self.draining:
             raise ShuttingDown()
         max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
         kv_bytes = self.kv_budget.request_bytes(self.kv_layout, len(prompt_ids), max_new)  # 400 if it never fits
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
-                               asyncio.get_running_loop(), kv_bytes=kv_bytes)
+                               asyncio.get_running_loop(), kv_bytes=kv_bytes, queue_deadline=queue_deadline,
+                               deadline=deadline)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead(f"the engine has stopped: {self.died!r}" if self.died else "the engine has stopped")
@@ -264,9 +279,12 @@ class Engine:
                     self._end_all(err)
                     continue
                 self._drop_cancelled()
+                self._expire()
                 self._admit()
                 batch = list(self._active)
+                self.step_started_at = time.monotonic()
             self._runner.run_step(batch)
+            self.step_ended_at = time.monotonic()
             del batch  # an idle engine must not keep the last step's finished sequences (and their KV) alive
             self._update_kv_in_use()
 
@@ -276,7 +294,9 @@ class Engine:
         while self._waiting and len(self._active) < self.max_active:
             if not self.kv_budget.reserve(self._waiting[0], self._waiting[0].kv_bytes):
                 break
-            self._active.append((self._waiting.popleft(), None))
+            handle = self._waiting.popleft()
+            self._active.append((handle, None))
+            handle._admitted()
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.active_sequences.set(len(self._active))
         self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
@@ -298,6 +318,26 @@ class Engine:
                 self.metrics.cancellations.inc()
             else:
                 self.metrics.finished.labels("abort").inc()
+
+    def _expire(self) -> None:
+        """End the requests whose deadlines have passed (see the module docstring); called with the lock held."""
+        now = time.perf_counter()
+        late = [h for h in self._waiting if _past(h.queue_deadline, now) or _past(h.deadline, now)]
+        for handle in late:
+            self._waiting.remove(handle)
+            handle.never_started = QueueTimeout(f"the request waited {now - handle.submitted_at:.1f} s for a "
+                                                "decode slot, past its limit, and was not started; retry shortly "
+                                                "or on another replica")
+            self.metrics.deadlines_exceeded.labels("queue").inc()
+            handle._deliver(handle.never_started)
+        for handle, seq in [(h, s) for h, s in self._active if _past(h.deadline, now)]:
+            text = seq.stop_filter.flush() if seq is not None else ""  # a held tail that never became a stop string
+            self.metrics.deadlines_exceeded.labels("run").inc()
+            self.metrics.finished.labels("timeout").inc()
+            handle._deliver(TokenEvent(token_id=NO_TOKEN, text=text, finish_reason="timeout"))
+            self._finish(handle, DONE)  # its slot, its KV reservation; its Sequence (cache, grammar) is dropped
+        if late:
+            self.metrics.queue_depth.set(len(self._waiting))
 
     def _end_all(self, err: ServeError, reason: str = "abort", died: BaseException | None = None) -> None:
         """Every request in flight or queued ends with `err`. `died`: the worker is leaving; later submits fail."""
@@ -323,7 +363,9 @@ class Engine:
         """End these requests with a clean error; their caches go with them."""
         if not handles:
             return
-        log.error("generation failed for %s: %r", [h.request_id for h in handles], err)
+        # the worker thread has no request context: a lone request's id goes on the record itself (JSON logs)
+        log.error("generation failed for %s: %r", [h.request_id for h in handles], err,
+                  extra={"request_id": handles[0].request_id} if len(handles) == 1 else None)
         err = without_frames(err)  # the frames it passed through would keep its neighbours' caches alive
         # A ServeError is the request's own (its grammar reached a dead end, say) and says so; anything else is ours.
         error = err if isinstance(err, ServeError) else GenerationFailed(f"generation failed: {type(err).__name__}: "

@@ -56,6 +56,15 @@ class RequestHandle:
     kv_bytes: int = 0  # worst-case KV cache, reserved from the budget while admitted
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     client_left: bool = True
+    # Deadlines, on the perf_counter clock (None: none). Past `queue_deadline` a request still queued ends with
+    # QueueTimeout and never starts; past `deadline` a running one ends at that step with finish reason "timeout".
+    queue_deadline: float | None = None
+    deadline: float | None = None
+    admitted_at: float | None = None  # when it got its slot
+    never_started: BaseException | None = None  # why it left the queue without a slot, if it did
+    # Set once the request has left the queue, admitted or ended: a stream with a queue limit waits for it before
+    # its 200, so that a queue timeout is still an HTTP error with Retry-After.
+    left_queue: asyncio.Event = field(default_factory=asyncio.Event)
 
     def cancel(self, client_left: bool = True) -> None:
         """Stop generating and free the cache. `client_left=False`: the server gave up on it (say, a sibling
@@ -79,5 +88,20 @@ class RequestHandle:
     def _deliver(self, item: object) -> None:  # called from the worker thread
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            if item is DONE or isinstance(item, BaseException):
+                self.loop.call_soon_threadsafe(self.left_queue.set)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
             self.cancelled.set()
+
+    def _admitted(self) -> None:  # called from the worker thread
+        self.admitted_at = time.perf_counter()
+        try:
+            self.loop.call_soon_threadsafe(self.left_queue.set)
+        except RuntimeError:
+            self.cancelled.set()
+
+    async def wait_until_started(self) -> None:
+        """Return once admitted; raise the error it ended with if it never was (a queue timeout, say)."""
+        await self.left_queue.wait()
+        if self.never_started is not None:
+            raise self.never_started

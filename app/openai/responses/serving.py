@@ -50,8 +50,11 @@ class ResponsesServing:
             err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
             raise
         answer = Answer(body, chat, self.serving.model_id, len(prompt_ids))
+        if rid := getattr(request.state, "x_request_id", None):
+            answer.id = f"resp_{rid}"  # the request's x-request-id, as on the other routes
         request.state.request_id = answer.id
         if body.stream:
+            await self.serving.started(choices)
             return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
         try:
             await self.serving.collect(choices, request)
@@ -105,12 +108,14 @@ class Answer:
         """stage: "created" (no output yet) or "done" (final status, output and usage)."""
         b = self.body
         done = stage == "done"
-        incomplete = done and self.choice is not None and self.choice.finish_reason == "length"
+        # cut short by max_output_tokens, or by a deadline (docs/operations.md): incomplete, saying which
+        incomplete = done and self.choice is not None and self.choice.finish_reason in ("length", "timeout")
+        why = "timeout" if incomplete and self.choice.finish_reason == "timeout" else "max_output_tokens"
         status = ("incomplete" if incomplete else "completed") if done else "in_progress"
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.model_id, "output": self.items if done else [],
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "incomplete_details": {"reason": why} if incomplete else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
@@ -207,7 +212,7 @@ class Answer:
         if item is None:
             return []
         index = len(self.items) - 1
-        cut = self.choice is not None and self.choice.finish_reason == "length"
+        cut = self.choice is not None and self.choice.finish_reason in ("length", "timeout")
         item["status"] = "incomplete" if cut else "completed"
         where = {"item_id": item["id"], "output_index": index}
         events = []
