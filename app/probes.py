@@ -53,6 +53,9 @@ class GenerateProbe:
         return 200, {"status": "ok", "generated": True}
 
     async def _generate_one(self, state) -> None:
+        if state.kind == "embedding":  # an embedding model's proof: one pass over a one-word input
+            await state.engine.embed([state.probe_prompt])
+            return
         handle = state.engine.submit(state.probe_prompt, SamplingParams(max_tokens=1, do_sample=False),
                                      "health-probe", deadline=time.perf_counter() + self.bound_s)
         try:

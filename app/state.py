@@ -112,6 +112,7 @@ class ServerState:
         self.embedding = EmbeddingServing(self.engine, self.lm, s.model_id, self.preparing, self.metrics)
         warm = self.lm.encode_pair("Hello", "Hello") if self.lm.scores_pairs else self.lm.encode_text("Hello")
         await self.engine.embed([warm])
+        self.probe_prompt = warm  # /health/generate's input when the engine is idle
 
     async def _load_chat(self, loader) -> None:
         s = self.settings

@@ -64,6 +64,10 @@ class Echo:
         text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)) if body.echo else None
         return cls(prompt_ids, text, body.score_only, tokenizer)
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        """A scored prompt's answer ends for "length" (it may generate nothing), unless a deadline ended it first."""
+        return "length" if self.score_only and reason not in (None, "timeout") else reason
+
     def text_and_logprobs(self, choice, text: str, entries: list[dict[str, Any]],
                           with_prompt: bool = True) -> tuple[str, dict[str, Any] | None]:
         """A completion choice's `text` and legacy `logprobs` (None unless asked for): the answer's, after the

@@ -233,7 +233,7 @@ class CompletionServing:
         completion_tokens = 0 if echo.score_only else sum(c.tokens for c in choices)
         out_choices = []
         for c in choices:
-            item: dict[str, Any] = {"index": c.index, "finish_reason": "length" if echo.score_only else c.finish_reason}
+            item: dict[str, Any] = {"index": c.index, "finish_reason": echo.finish_reason(c.finish_reason)}
             if chat:
                 item["message"] = c.message()
                 item["logprobs"] = {"content": c.logprobs} if c.handle.params.logprobs else None
@@ -275,7 +275,7 @@ class CompletionServing:
                 if not chat:
                     text, legacy = echo.text_and_logprobs(c, delta.content, logprobs or [], c.index in first)
                     payload = {"index": c.index, "text": text, "logprobs": legacy,
-                               "finish_reason": "length" if echo.score_only else delta.finish_reason}
+                               "finish_reason": echo.finish_reason(delta.finish_reason)}
                     if c.index in first and c.handle.params.prompt_logprobs is not None:
                         payload["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, c.prompt_logprobs)
                     first.discard(c.index)

@@ -200,3 +200,12 @@ def test_matryoshka_model_truncates_to_dimensions_and_renormalises(tmp_path):
         np.testing.assert_allclose(ours, expected, atol=1e-5)
         too_many = post(server, "/v1/embeddings", input="x", dimensions=33)
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "dimensions"
+
+
+def test_the_engine_probe_proves_an_embedding_engine_too(bert_server):
+    # /health/generate is the liveness probe of the image and the manifests, whichever model is served
+    r = httpx.get(bert_server.url + "/health/generate", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    bert_server.state.engine.step_ended_at = bert_server.state.engine.step_started_at = 0.0  # nothing recent
+    r = httpx.get(bert_server.url + "/health/generate", timeout=30)
+    assert r.status_code == 200 and r.json().get("generated") is True  # proved by one pass now

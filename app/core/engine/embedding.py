@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,6 +60,7 @@ class EmbeddingEngine:
         self.max_requests = max_requests
         self.tokens_per_batch = tokens_per_batch
         self.passes = 0  # batches run, for tests and the log
+        self.step_started_at = self.step_ended_at = 0.0  # the last pass's, time.monotonic()
         self.metrics = metrics  # its queue_depth gauge: what the k8s HPA scales on, for this engine too
         self._queue: deque[EmbeddingJob] = deque()
         self._running = 0  # requests whose rows are in the pass now running
@@ -125,6 +127,7 @@ class EmbeddingEngine:
         try:
             while (batch := self._next_batch()) is not None:
                 self._run_pass(batch)
+                self.step_ended_at = time.monotonic()
         except BaseException as err:  # noqa: BLE001 - a bug in the loop: nobody may be left waiting
             log.exception("the embedding engine thread died")
             self.died = err
@@ -167,6 +170,7 @@ class EmbeddingEngine:
 
     def _run_pass(self, batch: list[tuple[EmbeddingJob, list[int]]]) -> None:
         jobs = list({id(job): job for job, _ in batch}.values())
+        self.step_started_at = time.monotonic()  # /health/generate reads these, as it does the chat engine's
         try:
             vectors = self.lm.embed([row for _, row in batch])  # [rows, H]
         except Exception as err:  # noqa: BLE001 - fails this pass's requests; the engine keeps serving
