@@ -53,6 +53,10 @@ class Metrics:
         self.decode_steps = Counter(f"{PREFIX}_decode_steps", "passes in which every row decoded one token, by "
                                     "path: eager (the packed pass), pooled (DECODE_STEP=compiled), graph (that step "
                                     "replayed as a CUDA graph)", ["path"], registry=r)
+        self.adapter_requests = Counter(f"{PREFIX}_lora_requests", "requests submitted, by LoRA adapter (\"\": the "
+                                        "base model)", ["adapter"], registry=r)
+        self.adapter_tokens = Counter(f"{PREFIX}_lora_generated_tokens", "tokens generated, by LoRA adapter (\"\": "
+                                      "the base model)", ["adapter"], registry=r)
         add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
 
 

@@ -82,6 +82,7 @@ class Sequence:
         # structured output: a grammar masks the answer's tokens (after any thinking); EOS is the grammar's to allow
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
         self.drafter = None  # an app.core.speculative.NgramDrafter when the engine speculates for this request
+        self.adapter = None  # an app.models.lora.LoraAdapter whose product every pass adds; None: the base model
 
     @property
     def n_generated(self) -> int:

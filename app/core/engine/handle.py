@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from app.core.sequence import TokenEvent
 from app.core.sampling import SamplingParams
@@ -56,6 +56,7 @@ class RequestHandle:
     kv_bytes: int = 0  # worst-case KV cache, reserved from the budget while admitted
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     client_left: bool = True
+    adapter: Any = None  # app.models.lora.LoraAdapter: held until the request ends, even if it is unloaded meanwhile
 
     def cancel(self, client_left: bool = True) -> None:
         """Stop generating and free the cache. `client_left=False`: the server gave up on it (say, a sibling
