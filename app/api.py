@@ -21,6 +21,8 @@ from app.core.detokenize import decode
 from app.errors import InvalidRequest, ServeError, ShuttingDown
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  default_sampling)
+from app.openai.adapters import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, adapter_models, load_adapter,
+                                 runtime_adapters, unload_adapter)
 from app.openai.responses.serving import ResponsesServing
 from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
@@ -109,6 +111,8 @@ MessagesBody = Annotated[MessagesRequest, parsed(MessagesRequest)]
 CountTokensBody = Annotated[CountTokensRequest, parsed(CountTokensRequest)]
 TokenizeBody = Annotated[TokenizeRequest, parsed(TokenizeRequest)]
 DetokenizeBody = Annotated[DetokenizeRequest, parsed(DetokenizeRequest)]
+LoadLoraBody = Annotated[LoadLoraAdapterRequest, parsed(LoadLoraAdapterRequest)]
+UnloadLoraBody = Annotated[UnloadLoraAdapterRequest, parsed(UnloadLoraAdapterRequest)]
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
 WEB_DIR = Path(__file__).parent / "web"  # the playground's static files, shipped in the package (main.py mounts them)
@@ -176,7 +180,24 @@ async def list_models(state: State) -> dict:
              "max_model_len": lm.max_context if lm else state.settings.max_model_len, **state.model_info}
     if lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
-    return {"object": "list", "data": [model]}
+    return {"object": "list", "data": [model, *adapter_models(state.adapters, state.settings.model_id)]}
+
+
+def require_runtime_loading(state: State) -> None:
+    runtime_adapters(state.adapters)  # 404 when LORA_RUNTIME_LOADING is off, before the body is read
+    # (a route's own dependencies run after the router's API-key check and before its body's)
+
+
+@router.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoraAdapterRequest),
+             dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
+async def load_lora_adapter(body: LoadLoraBody, state: State) -> dict:
+    return await load_adapter(runtime_adapters(state.adapters), body)
+
+
+@router.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoraAdapterRequest),
+             dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
+async def unload_lora_adapter(body: UnloadLoraBody, state: State) -> dict:
+    return unload_adapter(runtime_adapters(state.adapters), body)
 
 
 @router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))

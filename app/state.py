@@ -18,6 +18,7 @@ from app.core.engine.engine import Engine
 from app.core.structured.schema_check import GrammarLimits
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model
+from app.models.lora import LoraAdapters
 from app.core.sampling import SamplingParams
 from app.openai.serving import CompletionServing
 from app.prepare import Preparing
@@ -56,6 +57,9 @@ class ServerState:
         self.body_limits = BodyLimits(settings.max_json_depth, settings.max_messages, settings.max_content_blocks,
                                       settings.max_tools)
         self.lm = lm
+        # LoRA: adapters by name (app/models/lora.py); None: the model's linears stay as loaded
+        self.adapters = (LoraAdapters(settings.model_id, settings.lora_modules, settings.max_loras,
+                                      settings.max_lora_rank, settings.lora_runtime_loading) if settings.lora else None)
         self.engine: Engine | None = None
         self.serving: CompletionServing | None = None
         self.ready = False
@@ -77,7 +81,7 @@ class ServerState:
                 prefix_cache_bytes = 0
             self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
                                  s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                                 speculative=s.speculative, decode_step=s.decode_step)
+                                 speculative=s.speculative, decode_step=s.decode_step, adapters=self.adapters)
             self.engine.start()
             await asyncio.to_thread(self.engine.loaded.wait)
             if self.engine.load_error is not None:
@@ -87,7 +91,7 @@ class ServerState:
                 self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
             self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                              grammar_limits(s), s.sse_send_timeout_s, self.preparing,
-                                             s.grammar_client_header)
+                                             s.grammar_client_header, self.adapters)
             await self._warm_up()
             if owns_process:
                 freeze_heap()  # on the loop or off it, it holds the GIL: /health waits, once, before /ready

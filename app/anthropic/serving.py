@@ -56,7 +56,7 @@ class MessagesServing:
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:
             raise renamed(err)
-        answer = Answer(self.serving.model_id, len(prompt_ids))
+        answer = Answer(self.serving.served_name(choices), len(prompt_ids))
         request.state.request_id = answer.id
         if body.stream:
             return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)

@@ -115,19 +115,6 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tuple
     return pairs
 
 
-def parse_lora_modules(value: str) -> dict[str, str]:
-    """`name=path,name=path` (LORA_MODULES, vLLM's `--lora-modules` spelling) -> {name: path}."""
-    modules: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        name, eq, path = item.partition("=")
-        if not eq or not name.strip() or not path.strip():
-            raise ValueError(f"{item!r} is not name=path")
-        if name.strip() in modules:
-            raise ValueError(f"adapter name {name.strip()!r} is given twice")
-        modules[name.strip()] = path.strip()
-    return modules
-
-
 class LoraAdapters:
     """The adapters a server holds, by name: at most `max_loras` resident, each of rank at most `max_rank`.
 

@@ -22,6 +22,7 @@ from app.core.engine.engine import Engine
 from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
+from app.models.lora import LoraAdapter, LoraAdapters
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.core.structured.grammars import Grammar, Grammars
@@ -44,7 +45,8 @@ def error_body(err: ServeError) -> dict[str, Any]:
 class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
-                 preparing: Preparing | None = None, grammar_client_header: str | None = None):
+                 preparing: Preparing | None = None, grammar_client_header: str | None = None,
+                 adapters: LoraAdapters | None = None):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
         self.model_id = model_id
@@ -55,6 +57,7 @@ class CompletionServing:
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
         self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
         self.grammar_client_header = grammar_client_header  # see compile_client
+        self.adapters = adapters  # LoRA adapters a request's `model` may name; None: the base model alone
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -86,9 +89,21 @@ class CompletionServing:
     async def encode_text(self, text: str) -> list[int]:
         return await self.preparing.run(self.lm.encode_text, text)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
+    def check_model(self, model: str) -> LoraAdapter | None:
+        """The LoRA adapter `model` names, None for the base model; 404 naming it for anything else."""
+        if model == self.model_id:
+            return None
+        adapter = self.adapters.get(model) if self.adapters is not None else None
+        if adapter is None:
+            names = [a.name for a in self.adapters.loaded()] if self.adapters is not None else []
+            also = f" and the LoRA adapters {names}" if names else ""
+            raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}{also}")
+        return adapter
+
+    def served_name(self, choices: list[Choice]) -> str:
+        """What answers name as their `model`: the adapter the request ran with (as vLLM does), else the base."""
+        adapter = choices[0].handle.adapter if choices else None
+        return adapter.name if adapter is not None else self.model_id
 
     async def grammar(self, body: ChatCompletionRequest, request: Request | None = None) -> Grammar | None:
         """The compiled constraint a chat request asks for, if any: compiled in a worker process with a deadline
@@ -101,13 +116,14 @@ class CompletionServing:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Chat completions and the Responses API both come through here."""
         reasoning = self.reasoning if chat else None
+        adapter = self.check_model(body.model)  # again: it may have been unloaded while the prompt was prepared
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
         default_max = min(self.default_max_tokens or room, room) if room >= 1 else None
         tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
         params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max, tenant)
                   for i in range(body.n)]
         thinking = body.thinking() if reasoning is not None else None
-        choices = self._submit(prompt_ids, params, thinking)
+        choices = self._submit(prompt_ids, params, thinking, adapter)
         if chat and body.parse_tools:
             for choice in choices:
                 choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls)
@@ -129,12 +145,13 @@ class CompletionServing:
         return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids)),
                             headers=headers)
 
-    def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None) -> list[Choice]:
+    def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
+                adapter: LoraAdapter | None = None) -> list[Choice]:
         choices: list[Choice] = []
         try:
             for i, p in enumerate(params):
                 splitter = ReasoningSplitter(thinking) if thinking is not None else None
-                choices.append(Choice(i, self.engine.submit(prompt_ids, p), splitter))
+                choices.append(Choice(i, self.engine.submit(prompt_ids, p, adapter=adapter), splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running
                 choice.handle.cancel()
@@ -206,7 +223,7 @@ class CompletionServing:
             if c.handle.params.inspect:
                 item["inspect"] = c.inspect
             out_choices.append(item)
-        return {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
+        return {"id": response_id, "object": obj, "created": now(), "model": self.served_name(choices),
                 "system_fingerprint": self.fingerprint, "choices": out_choices,
                 "usage": usage(prompt_tokens, completion_tokens, choices)}
 
@@ -218,7 +235,7 @@ class CompletionServing:
         created = now()
 
         def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
-            body = {"id": response_id, "object": obj, "created": created, "model": self.model_id,
+            body = {"id": response_id, "object": obj, "created": created, "model": self.served_name(choices),
                     "system_fingerprint": self.fingerprint, "choices": payload_choices, **extra}
             return {"data": json.dumps(body, ensure_ascii=False)}
 

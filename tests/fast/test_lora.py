@@ -17,7 +17,8 @@ from app.core.engine.engine import Engine
 from app.core.sampling import SamplingParams
 from app.errors import InvalidRequest, ModelNotFound
 from app.models.loading import LoadedModel
-from app.models.lora import LoraAdapters, parse_lora_modules
+from app.config import parse_lora_modules
+from app.models.lora import LoraAdapters
 from conftest import build_tiny_model
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
