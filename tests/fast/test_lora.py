@@ -232,3 +232,31 @@ def test_lora_modules_parse_as_name_equals_path():
     for bad in ("a", "=/x", "a=/x,a=/y"):
         with pytest.raises(ValueError):
             parse_lora_modules(bad)
+
+
+def test_with_int8_weights_an_adapter_moves_the_logits_to_its_merged_models(tiny_dir, tiny_tokenizer, adapters):
+    """QUANT=int8 replaces every linear; the adapter wraps those. Not exact (int8 rounds), so the check is that the
+    adapter's logits land near peft's fp32 merged model's, far nearer than the base's are."""
+    from app.core.runner.forward import forward
+    from app.core.runner.packed import enable_packed_batching
+    from app.core.sequence import Sequence
+    from app.models.loading import load_model
+
+    paths, merged = adapters
+    lm = load_model(str(tiny_dir), device="cpu", quant="int8")
+    assert enable_packed_batching(lm.model)
+    registry = LoraAdapters("tiny", paths)
+    registry.attach(lm.model)
+    ids = lm.encode_text(PROMPTS[1])
+    rows = []
+    for name in (None, "alpha"):
+        seq = Sequence(lm.model, lm.tokenizer, ids, SamplingParams(max_tokens=1), lm.eos_ids, lm.max_context)
+        seq.adapter = registry.get(name) if name else None
+        rows.append((seq, len(ids)))
+    base_int8, alpha_int8 = forward(lm.model, rows)  # base and adapter in one packed pass
+    with torch.no_grad():
+        alpha_fp32 = merged["alpha"](torch.tensor([ids])).logits[0, -1]
+        base_fp32 = build_tiny_model(len(tiny_tokenizer))(torch.tensor([ids])).logits[0, -1]
+    effect = (alpha_fp32 - base_fp32).abs().max()
+    assert (alpha_int8 - alpha_fp32).abs().max() < 0.2 * effect
+    assert (base_int8 - base_fp32).abs().max() < 0.2 * effect  # the base row got no adapter
