@@ -56,9 +56,12 @@ def fresh_lm(tokenizer) -> LoadedModel:
                        eos_ids=(im_end,))
 
 
-def reference(model, ids: list[int], n: int = N_TOKENS) -> list[int]:
+def reference(model, ids: list[int], n: int = N_TOKENS, eos_ids: tuple[int, ...] = (2,)) -> list[int]:
+    """HF's greedy tokens, up to n or the first end token (which counts, as our last event carries it); eos 2 is
+    the tiny tokenizer's <|im_end|>."""
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+                         do_sample=False, max_new_tokens=n, eos_token_id=list(eos_ids), pad_token_id=0,
+                         repetition_penalty=1.0)
     return out[0, len(ids):].tolist()
 
 
@@ -66,7 +69,7 @@ def serve(lm, registry, requests: list[tuple[list[int], str | None]], together: 
           **engine_kwargs) -> tuple[list[list[int]], list[int], Engine]:
     """Greedy tokens and cached prompt tokens of each (prompt, adapter name or None) through a real Engine."""
     engine = Engine(lm, adapters=registry, speculative="off", **engine_kwargs)
-    params = SamplingParams(max_tokens=n, do_sample=False, ignore_eos=True)
+    params = SamplingParams(max_tokens=n, do_sample=False)
 
     async def one(ids, name):
         handle = engine.submit(ids, params, adapter=registry.get(name) if name else None)
@@ -119,7 +122,7 @@ def test_with_speculation_an_adapter_still_equals_its_reference(tiny_tokenizer, 
     lm = fresh_lm(tiny_tokenizer)
     ids = lm.encode_text("ab ab ab ab ab ab ab ab")  # repetitive: the n-gram drafter proposes
     engine = Engine(lm, adapters=LoraAdapters("tiny", paths), speculative="ngram")
-    params = SamplingParams(max_tokens=N_TOKENS, do_sample=False, ignore_eos=True)
+    params = SamplingParams(max_tokens=N_TOKENS, do_sample=False)
 
     async def main():
         engine.start()
@@ -158,7 +161,7 @@ def test_an_adapter_unloaded_mid_request_lets_the_request_finish(tiny_tokenizer,
         engine.start()
         await asyncio.to_thread(engine.loaded.wait)
         try:
-            handle = engine.submit(ids, SamplingParams(max_tokens=N_TOKENS, do_sample=False, ignore_eos=True),
+            handle = engine.submit(ids, SamplingParams(max_tokens=N_TOKENS, do_sample=False),
                                    adapter=registry.get("alpha"))
             tokens = []
             async for event in handle:

@@ -27,7 +27,7 @@ def server(adapters, tiny_tokenizer):
 
 
 def complete(server, model: str, prompt: str = PROMPTS[0], headers=AUTH) -> httpx.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0}
     return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
 
 
