@@ -6,8 +6,9 @@ the pass, `forward` says which spans use which adapter (`adapter_rows`); every w
     out = base(x)                                       the layer as loaded: nn.Linear, a batched-rows or int8 one
     out[rows of a] += scale_a * (x[rows of a] @ A_a.T) @ B_a.T      for each adapter a in the pass
 
-in plain PyTorch, gathered by adapter (punica's idea without its kernels): two thin matmuls per adapter and layer,
-no merged copy of any weight. Rows without an adapter get nothing added, so they are exactly the base model's.
+in plain PyTorch, by adapter (punica's idea without its kernels): two thin matmuls per adapter and layer, no merged
+copy of any weight. The engine puts each adapter's rows side by side in the pass (app/core/engine/step.py), so an
+adapter's rows are one slice, read and written in place; rows spread apart are gathered and scattered instead. Rows without an adapter get nothing added, so they are exactly the base model's.
 The order of the product is peft's own unmerged forward's; a merged model rounds differently, within ~1e-6 in fp32.
 
 Outside `adapter_rows` (the oracle loop, warm-up, a compiled step's trace) a wrapped layer is its base layer.
@@ -22,8 +23,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-# this pass's adapters: (the adapter, its token rows in the flattened pass, or None for every row)
-_ROWS: ContextVar[list[tuple[Any, torch.Tensor | None]] | None] = ContextVar("adapter_rows", default=None)
+# this pass's adapters: (the adapter, its token rows in the flattened pass: one slice, or an index tensor)
+_ROWS: ContextVar[list[tuple[Any, slice | torch.Tensor]] | None] = ContextVar("adapter_rows", default=None)
 
 
 class LoraLinear(nn.Module):
@@ -40,15 +41,15 @@ class LoraLinear(nn.Module):
         if rows is None or torch.compiler.is_compiling():  # a compiled step never carries adapter rows
             return out
         flat_x, flat_out = x.reshape(-1, self.in_features), out.reshape(-1, self.out_features)
-        for adapter, index in rows:
+        for adapter, rows_of in rows:
             pair = adapter.weights.get(self.name)
             if pair is None:  # this adapter leaves this layer alone
                 continue
             a, b = pair  # [r, in], [out, r]
-            if index is None:
-                flat_out += (flat_x @ a.T) @ b.T * adapter.scale
+            if isinstance(rows_of, slice):  # one run of rows (the engine puts an adapter's rows side by side)
+                flat_out[rows_of].addmm_(flat_x[rows_of] @ a.T, b.T, alpha=adapter.scale)  # a view: in place
             else:
-                flat_out.index_add_(0, index, (flat_x[index] @ a.T) @ b.T * adapter.scale)
+                flat_out.index_add_(0, rows_of, (flat_x[rows_of] @ a.T) @ b.T, alpha=adapter.scale)
         return flat_out.view(out.shape)
 
     def extra_repr(self) -> str:
@@ -74,6 +75,17 @@ def wrap_linears(model: nn.Module) -> dict[str, tuple[int, int]]:
     return targets
 
 
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent spans joined: [(0, 3), (3, 4), (6, 7)] -> [(0, 4), (6, 7)]."""
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return runs
+
+
 @contextmanager
 def adapter_rows(adapters: Sequence[Any], spans: Sequence[tuple[int, int]], device: torch.device) -> Iterator[None]:
     """Within: the wrapped linears add each span's adapter (None: the base model, nothing added). `spans`: each
@@ -85,14 +97,13 @@ def adapter_rows(adapters: Sequence[Any], spans: Sequence[tuple[int, int]], devi
     if not groups:
         yield
         return
-    total = max(end for _, end in spans)
     rows = []
     for adapter, owned in groups.values():
-        if owned == [(0, total)]:
-            rows.append((adapter, None))  # the whole pass: no gather
+        runs = _runs(owned)
+        if len(runs) == 1:  # a slice of the pass: no gather, no scatter
+            rows.append((adapter, slice(*runs[0])))
         else:
-            index = torch.cat([torch.arange(start, end) for start, end in owned]).to(device)
-            rows.append((adapter, index))
+            rows.append((adapter, torch.cat([torch.arange(start, end) for start, end in runs]).to(device)))
     token = _ROWS.set(rows)
     try:
         yield

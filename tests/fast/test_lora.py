@@ -263,3 +263,29 @@ def test_with_int8_weights_an_adapter_moves_the_logits_to_its_merged_models(tiny
     effect = (alpha_fp32 - base_fp32).abs().max()
     assert (alpha_int8 - alpha_fp32).abs().max() < 0.2 * effect
     assert (base_int8 - base_fp32).abs().max() < 0.2 * effect  # the base row got no adapter
+
+
+def test_an_adapters_rows_spread_apart_in_a_pass_get_the_same_logits_as_side_by_side(tiny_tokenizer, adapters):
+    """The engine puts an adapter's rows side by side (one slice); rows spread apart are gathered instead. Both
+    give each row its own logits: those of the row alone, within batching's rounding."""
+    from app.core.runner.forward import forward
+    from app.core.runner.packed import enable_packed_batching
+    from app.core.sequence import Sequence
+
+    paths, _ = adapters
+    lm = fresh_lm(tiny_tokenizer)
+    assert enable_packed_batching(lm.model)
+    registry = LoraAdapters("tiny", paths)
+    registry.attach(lm.model)
+
+    def row(name, text):
+        ids = lm.encode_text(text)
+        seq = Sequence(lm.model, lm.tokenizer, ids, SamplingParams(max_tokens=1), lm.eos_ids, lm.max_context)
+        seq.adapter = registry.get(name) if name else None
+        return seq, len(ids)
+
+    names = ["alpha", None, "alpha", "beta", "alpha"]
+    together = forward(lm.model, [row(name, PROMPTS[i % 3]) for i, name in enumerate(names)])
+    alone = torch.cat([forward(lm.model, [row(name, PROMPTS[i % 3])]) for i, name in enumerate(names)])
+    assert torch.allclose(together, alone, atol=1e-4)
+    assert not torch.allclose(together[0], forward(lm.model, [row(None, PROMPTS[0])])[0], atol=1e-2)

@@ -1,6 +1,7 @@
 """LoRA adapters in a live server process: 8 streams mixing the base and three adapters (two from LORA_MODULES, one
 loaded at runtime) decode together, each one's text equal to its solo run, while the runtime one is unloaded under
-its running stream (which finishes); no 5xx, and `/health` answers within 100 ms throughout (probed from a process of its own)."""
+its running stream (which finishes); no 5xx, and `/health` answers within 100 ms throughout (probed from a process
+of its own)."""
 
 from __future__ import annotations
 

@@ -149,6 +149,10 @@ class StepRunner:
                     continue
                 n = 1 + len(drafts)  # the newest token, then any drafts to verify
             work.append((handle, seq, n, drafts))
+        # each LoRA adapter's rows side by side (the base's first): its rows are then one slice of the pass for
+        # the adapted layers, with no gather or scatter (app/models/lora_layers.py); a stable sort, so without
+        # adapters nothing moves
+        work.sort(key=lambda entry: "" if entry[1].adapter is None else entry[1].adapter.key)
         groups = [work] if self.batch_decode and work else [[entry] for entry in work]
         for group in groups:
             for handle, seq, event in self._run_pass(group):
