@@ -37,8 +37,10 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         out = self.base_layer(x)
+        if torch.compiler.is_compiling():  # a compiled step never carries adapter rows (nor traces a ContextVar)
+            return out
         rows = _ROWS.get()
-        if rows is None or torch.compiler.is_compiling():  # a compiled step never carries adapter rows
+        if rows is None:
             return out
         flat_x, flat_out = x.reshape(-1, self.in_features), out.reshape(-1, self.out_features)
         for adapter, rows_of in rows:
