@@ -6,7 +6,9 @@ loads them as LORA_MODULES would, and runs the same greedy requests through one 
 - 8 streams: all the base, all one adapter, and a mix (base, two adapters) in the same batches.
 Tokens/s is all the streams' generated tokens over the wall time from the first submit to the last token (the
 prompts' prefill included), EOS ignored so every stream runs `--tokens`; the cases run in interleaved rounds and the
-best round of each is reported. Prints a table; nothing is written to docs/.
+best round of each is reported. Then each case's decode pass alone (`forward` over the same rows, the cases
+interleaved pass by pass, the median): what the adapters cost in the model itself. Prints a table; nothing is
+written to docs/.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per stream")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each case; the best is reported")
+    parser.add_argument("--passes", type=int, default=30, help="timed decode passes per case (median reported)")
 
 
 def make_adapter(path: str, where: Path, rank: int, seed: int) -> None:
@@ -69,6 +73,32 @@ def tokens_per_s(engine: Engine, prompt: list[int], adapters: list[str | None], 
     return asyncio.run(main())
 
 
+def pass_ms(lm, registry: LoraAdapters, prompt: list[int], cases: list[tuple[str, list[str | None]]],
+            passes: int) -> dict[str, float]:
+    """Median ms of one decode pass (every row feeds one token) per case, the cases interleaved pass by pass: the
+    adapters' cost in the forward pass alone, without sampling, scheduling or prefill."""
+    from app.core.runner.forward import forward
+    from app.core.sequence import Sequence
+
+    rows = {}
+    for label, names in cases:
+        seqs = []
+        for name in names:
+            seq = Sequence(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=passes + 8), lm.eos_ids,
+                           lm.max_context)
+            seq.adapter = registry.get(name) if name else None
+            forward(lm.model, [(seq, len(prompt))])  # prefilled; each timed pass then decodes one more token
+            seqs.append(seq)
+        rows[label] = sorted(seqs, key=lambda seq: "" if seq.adapter is None else seq.adapter.key)  # as step.py
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    for _ in range(passes):
+        for label, seqs in rows.items():
+            started = time.perf_counter()
+            forward(lm.model, [(seq, 1) for seq in seqs])
+            times[label].append((time.perf_counter() - started) * 1000)
+    return {label: statistics.median(values) for label, values in times.items()}
+
+
 def run(args: argparse.Namespace) -> list[tuple[str, float]]:
     path = str(fetch_model(args.model, Path.home() / ".cache" / "simple-serve"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,9 +125,10 @@ def run(args: argparse.Namespace) -> list[tuple[str, float]]:
             results = list(best.items())
         finally:
             engine.stop()
+        step = pass_ms(lm, engine.adapters, prompt, cases, args.passes)
     print(f"{args.model}, {lm.dtype}, LoRA rank {args.rank} on {', '.join(TARGETS)}; {args.tokens} tokens a stream, "
           f"best of {args.repeats}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print("| case | tokens/s |\n| --- | --- |")
+    print("| case | tokens/s | ms per decode pass (median) |\n| --- | --- | --- |")
     for label, value in results:
-        print(f"| {label} | {value:.1f} |")
+        print(f"| {label} | {value:.1f} | {step[label]:.1f} |")
     return results
