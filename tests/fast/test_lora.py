@@ -289,3 +289,11 @@ def test_an_adapters_rows_spread_apart_in_a_pass_get_the_same_logits_as_side_by_
     alone = torch.cat([forward(lm.model, [row(name, PROMPTS[i % 3])]) for i, name in enumerate(names)])
     assert torch.allclose(together, alone, atol=1e-4)
     assert not torch.allclose(together[0], forward(lm.model, [row(None, PROMPTS[0])])[0], atol=1e-2)
+
+
+def test_a_bad_start_up_adapter_fails_the_start_naming_it(tiny_tokenizer, tmp_path):
+    engine = Engine(fresh_lm(tiny_tokenizer), adapters=LoraAdapters("tiny", {"sql": str(tmp_path / "missing")}))
+    engine.start()
+    engine.loaded.wait(60)
+    assert isinstance(engine.load_error, InvalidRequest) and "'sql'" in engine.load_error.message
+    assert "does not exist" in engine.load_error.message

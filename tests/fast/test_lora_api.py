@@ -122,3 +122,16 @@ def test_without_runtime_loading_the_routes_are_404_and_start_up_adapters_still_
 def test_lora_with_tensor_parallel_is_refused_at_start():
     with pytest.raises(ValueError, match="TENSOR_PARALLEL"):
         Settings(model="tiny", lora_modules="a=/x", tensor_parallel=2)
+
+
+def test_the_responses_and_messages_apis_select_the_adapter_by_model_too(server):
+    responses = httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60, json={
+        "model": "alpha", "input": "Hi", "max_output_tokens": 3, "temperature": 0})
+    assert responses.status_code == 200, responses.text
+    assert responses.json()["model"] == "alpha"
+    messages = httpx.post(f"{server.url}/v1/messages", headers=AUTH, timeout=60, json={
+        "model": "alpha", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["model"] == "alpha"
+    assert httpx.post(f"{server.url}/v1/messages", headers=AUTH, timeout=60, json={
+        "model": "gamma", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}).status_code == 404
