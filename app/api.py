@@ -23,6 +23,8 @@ from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, Detok
                                  default_sampling)
 from app.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from app.openai.embeddings.serving import ENDPOINTS as EMBEDDING_ENDPOINTS, EmbeddingServing
+from app.openai.adapters import (LoadLoraAdapterRequest, UnloadLoraAdapterRequest, adapter_models, load_adapter,
+                                 runtime_adapters, unload_adapter)
 from app.openai.responses.serving import ResponsesServing
 from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
@@ -137,6 +139,8 @@ DetokenizeBody = Annotated[DetokenizeRequest, parsed(DetokenizeRequest)]
 EmbeddingBody = Annotated[EmbeddingRequest, parsed(EmbeddingRequest, get_embedding_serving)]
 RerankBody = Annotated[RerankRequest, parsed(RerankRequest, get_embedding_serving)]
 ScoreBody = Annotated[ScoreRequest, parsed(ScoreRequest, get_embedding_serving)]
+LoadLoraBody = Annotated[LoadLoraAdapterRequest, parsed(LoadLoraAdapterRequest)]
+UnloadLoraBody = Annotated[UnloadLoraAdapterRequest, parsed(UnloadLoraAdapterRequest)]
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(require_api_key)])
 WEB_DIR = Path(__file__).parent / "web"  # the playground's static files, shipped in the package (main.py mounts them)
@@ -218,7 +222,24 @@ async def list_models(state: State) -> dict:
             model["dimensions"] = lm.dimensions
     elif lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
-    return {"object": "list", "data": [model]}
+    return {"object": "list", "data": [model, *adapter_models(state.adapters, state.settings.model_id)]}
+
+
+def require_runtime_loading(state: State) -> None:
+    runtime_adapters(state.adapters)  # 404 when LORA_RUNTIME_LOADING is off, before the body is read
+    # (a route's own dependencies run after the router's API-key check and before its body's)
+
+
+@router.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoraAdapterRequest),
+             dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
+async def load_lora_adapter(body: LoadLoraBody, state: State) -> dict:
+    return await load_adapter(runtime_adapters(state.adapters), body)
+
+
+@router.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoraAdapterRequest),
+             dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
+async def unload_lora_adapter(body: UnloadLoraBody, state: State) -> dict:
+    return unload_adapter(runtime_adapters(state.adapters), body)
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -25,6 +25,19 @@ def prepack_mode(value: object) -> object:
         word = value.strip().lower()
         return {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(word, word)
     return value
+
+
+def parse_lora_modules(value: str) -> dict[str, str]:
+    """`name=path,name=path` (LORA_MODULES, vLLM's `--lora-modules` spelling) -> {name: path}."""
+    modules: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise ValueError(f"{item!r} is not name=path")
+        if name.strip() in modules:
+            raise ValueError(f"adapter name {name.strip()!r} is given twice")
+        modules[name.strip()] = path.strip()
+    return modules
 
 
 class Settings(BaseSettings):
@@ -66,6 +79,16 @@ class Settings(BaseSettings):
                                                       "bucket at start (CUDA: captured as graphs); not bit-identical "
                                                       "to eager; steps that verify speculative drafts stay eager; on "
                                                       "a CPU in bf16 it needs PREPACK=false")
+    lora_modules: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict, description="LoRA adapters loaded at start, `name=path,name=path` (peft's "
+        "safetensors format, vLLM's `--lora-modules` spelling); a request's `model` names one, and requests of "
+        "several adapters and the base share passes (docs/adapters.md)")
+    max_loras: int = Field(4, ge=1, description="LoRA adapters loaded at once (loading one more is a 400 until one "
+                           "is unloaded)")
+    max_lora_rank: int = Field(16, ge=1, description="highest LoRA rank an adapter may have (400 past it)")
+    lora_runtime_loading: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
+                                       "/v1/unload_lora_adapter (behind the API key); off: both answer 404. A path "
+                                       "they name is read on the server: trust whoever holds a key")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "
@@ -132,6 +155,27 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_lora_modules(cls, value: object) -> object:
+        # LORA_MODULES="sql=/adapters/sql,chat=/adapters/chat", as vLLM's --lora-modules
+        return parse_lora_modules(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> Settings:
+        if self.lora and self.tensor_parallel > 1:
+            raise ValueError("LoRA adapters (LORA_MODULES, LORA_RUNTIME_LOADING) are not served with "
+                             "TENSOR_PARALLEL > 1: the adapters' products are not sharded; use one or the other")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"LORA_MODULES names {len(self.lora_modules)} adapters, more than MAX_LORAS="
+                             f"{self.max_loras}")
+        return self
+
+    @property
+    def lora(self) -> bool:
+        """The model's linears are made adaptable: adapters at start, or loading them at runtime."""
+        return bool(self.lora_modules) or self.lora_runtime_loading
 
     @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", mode="before")
     @classmethod

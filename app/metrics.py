@@ -62,6 +62,10 @@ class Metrics:
         self.embedding_tokens = Counter(f"{PREFIX}_embedding_tokens", "tokens run through an embedding model",
                                         registry=r)
         self.embedding_inputs = Counter(f"{PREFIX}_embedding_inputs", "texts (or token lists) embedded", registry=r)
+        self.adapter_requests = Counter(f"{PREFIX}_lora_requests", "requests submitted, by LoRA adapter (\"\": the "
+                                        "base model)", ["adapter"], registry=r)
+        self.adapter_tokens = Counter(f"{PREFIX}_lora_generated_tokens", "tokens generated, by LoRA adapter (\"\": "
+                                      "the base model)", ["adapter"], registry=r)
         add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
 
 

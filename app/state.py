@@ -17,8 +17,10 @@ from app.config import Settings
 from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
 from app.core.structured.schema_check import GrammarLimits
+from app.errors import ConfigError
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model, serves_embeddings
+from app.models.lora import LoraAdapters
 from app.core.sampling import SamplingParams
 from app.openai.embeddings.serving import EmbeddingServing
 from app.openai.serving import CompletionServing
@@ -65,6 +67,9 @@ class ServerState:
             self.kind = getattr(lm, "kind", "chat")
         else:
             self.kind = "embedding" if serves_embeddings(settings.model) else "chat"
+        # LoRA: adapters by name (app/models/lora.py); None: the model's linears stay as loaded
+        self.adapters = (LoraAdapters(settings.model_id, settings.lora_modules, settings.max_loras,
+                                      settings.max_lora_rank, settings.lora_runtime_loading) if settings.lora else None)
         self.engine: Engine | EmbeddingEngine | None = None
         self.serving: CompletionServing | None = None
         self.embedding: EmbeddingServing | None = None
@@ -101,6 +106,9 @@ class ServerState:
     async def _load_embedding(self, loader) -> None:
         """The pooling model's own worker (app/core/engine/embedding.py), then one warm-up pass."""
         s = self.settings
+        if self.adapters is not None:
+            raise ConfigError(f"{s.model!r} is an embedding model; LORA_MODULES and LORA_RUNTIME_LOADING apply to "
+                              "chat models only", param="lora_modules")
         self.engine = EmbeddingEngine(loader, max_requests=s.max_active + s.max_queue, metrics=self.metrics)
         self.engine.start()
         await asyncio.to_thread(self.engine.loaded.wait)
@@ -122,7 +130,7 @@ class ServerState:
             prefix_cache_bytes = 0
         self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
                              s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                             speculative=s.speculative, decode_step=s.decode_step)
+                             speculative=s.speculative, decode_step=s.decode_step, adapters=self.adapters)
         self.engine.start()
         await asyncio.to_thread(self.engine.loaded.wait)
         if self.engine.load_error is not None:
@@ -132,7 +140,8 @@ class ServerState:
             self.lm.ranks.start_heartbeat()  # an idle server notices a rank that died, too
         self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                          grammar_limits(s), s.sse_send_timeout_s, self.preparing,
-                                         s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s)
+                                         s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
+                                         self.adapters)
         self.probe_prompt = self.lm.encode_text("Hello")
         await self._warm_up()
 

@@ -58,7 +58,7 @@ class MessagesServing:
             choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
         except InvalidRequest as err:
             raise renamed(err)
-        answer = Answer(self.serving.model_id, len(prompt_ids), getattr(request.state, "x_request_id", None))
+        answer = Answer(self.serving.served_name(choices), len(prompt_ids), getattr(request.state, "x_request_id", None))
         request.state.request_id = answer.id
         if body.stream:
             await self.serving.started(choices)

@@ -115,6 +115,7 @@ class Sequence:
         self.drafter = None  # an app.core.speculative.NgramDrafter when the engine speculates for this request
         # prompt logprobs, scored chunk by chunk from the prefill's own logits; they go out with the first token
         self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None
+        self.adapter = None  # an app.models.lora.LoraAdapter whose product every pass adds; None: the base model
 
     @property
     def n_generated(self) -> int:

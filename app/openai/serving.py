@@ -23,6 +23,7 @@ from app.deadlines import HEADER, request_deadlines
 from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
+from app.models.lora import LoraAdapter, LoraAdapters
 from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.core.structured.grammars import Grammar, Grammars
@@ -47,7 +48,8 @@ class CompletionServing:
     def __init__(self, engine: Engine, lm: LoadedModel, model_id: str, default_max_tokens: int | None = None,
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
                  preparing: Preparing | None = None, grammar_client_header: str | None = None,
-                 queue_timeout_s: float | None = None, request_timeout_s: float | None = None):
+                 queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
+                 adapters: LoraAdapters | None = None):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
@@ -59,6 +61,7 @@ class CompletionServing:
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
         self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
         self.grammar_client_header = grammar_client_header  # see compile_client
+        self.adapters = adapters  # LoRA adapters a request's `model` may name; None: the base model alone
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -100,9 +103,21 @@ class CompletionServing:
     async def encode_text(self, text: str) -> list[int]:
         return await self.preparing.run(self.lm.encode_text, text)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
+    def check_model(self, model: str) -> LoraAdapter | None:
+        """The LoRA adapter `model` names, None for the base model; 404 naming it for anything else."""
+        if model == self.model_id:
+            return None
+        adapter = self.adapters.get(model) if self.adapters is not None else None
+        if adapter is None:
+            names = [a.name for a in self.adapters.loaded()] if self.adapters is not None else []
+            also = f" and the LoRA adapters {names}" if names else ""
+            raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}{also}")
+        return adapter
+
+    def served_name(self, choices: list[Choice]) -> str:
+        """What answers name as their `model`: the adapter the request ran with (as vLLM does), else the base."""
+        adapter = choices[0].handle.adapter if choices else None
+        return adapter.name if adapter is not None else self.model_id
 
     async def grammar(self, body, request: Request | None = None) -> Grammar | None:
         """The compiled constraint a request asks for, if any: compiled in a worker process with a deadline
@@ -115,6 +130,7 @@ class CompletionServing:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Chat completions and the Responses API both come through here."""
         reasoning = self.reasoning if chat else None
+        adapter = self.check_model(body.model)  # again: it may have been unloaded while the prompt was prepared
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
         default_max = min(self.default_max_tokens or room, room) if room >= 1 else None
         tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
@@ -124,7 +140,8 @@ class CompletionServing:
         deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
                                       self.queue_timeout_s, self.request_timeout_s)
         request.state.sampling = params[0]  # for the trace's attributes
-        choices = self._submit(prompt_ids, params, thinking, deadlines, getattr(request.state, "x_request_id", None))
+        choices = self._submit(prompt_ids, params, thinking, deadlines, getattr(request.state, "x_request_id", None),
+                               adapter)
         request.state.choices = choices  # for the log line and the trace, once the answer is out
         if chat and body.parse_tools:
             for choice in choices:
@@ -164,14 +181,15 @@ class CompletionServing:
 
     def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
                 deadlines: tuple[float | None, float | None] = (None, None),
-                request_id: str | None = None) -> list[Choice]:
+                request_id: str | None = None, adapter: LoraAdapter | None = None) -> list[Choice]:
         choices: list[Choice] = []
         queue_deadline, deadline = deadlines
         try:
             for i, p in enumerate(params):
                 splitter = ReasoningSplitter(thinking) if thinking is not None else None
                 handle_id = f"{request_id}/{i}" if request_id and len(params) > 1 else request_id  # engine's log
-                choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline),
+                choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline,
+                                                                adapter),
                                       splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running
@@ -244,7 +262,7 @@ class CompletionServing:
             if c.handle.params.inspect:
                 item["inspect"] = c.inspect
             out_choices.append(item)
-        out = {"id": response_id, "object": obj, "created": now(), "model": self.model_id,
+        out = {"id": response_id, "object": obj, "created": now(), "model": self.served_name(choices),
                "system_fingerprint": self.fingerprint, "choices": out_choices,
                "usage": usage(prompt_tokens, completion_tokens, choices)}
         if chat and choices[0].handle.params.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top
@@ -259,7 +277,7 @@ class CompletionServing:
         created = now()
 
         def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
-            body = {"id": response_id, "object": obj, "created": created, "model": self.model_id,
+            body = {"id": response_id, "object": obj, "created": created, "model": self.served_name(choices),
                     "system_fingerprint": self.fingerprint, "choices": payload_choices, **extra}
             return {"data": json.dumps(body, ensure_ascii=False)}
 

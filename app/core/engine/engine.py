@@ -46,6 +46,7 @@ from app.core.runner.static_step import build_decode_step
 from app.core.engine.step import StepRunner, default_prefill_tokens_per_step
 from app.metrics import Metrics
 from app.models.loading import LoadedModel
+from app.models.lora import LoraAdapter, LoraAdapters
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.core.engine.engine")
@@ -74,6 +75,9 @@ _malloc_trim = None  # libc's malloc_trim once looked up; False where there is n
 
 def _past(deadline: float | None, now: float) -> bool:
     return deadline is not None and now >= deadline
+def adapter_label(handle: RequestHandle) -> str:
+    """The `adapter` label of the per-adapter metrics: its name, "" for the base model."""
+    return handle.adapter.name if handle.adapter is not None else ""
 
 
 class Engine:
@@ -87,7 +91,7 @@ class Engine:
     def __init__(self, model: LoadedModel | Callable[[], LoadedModel], max_active: int = 8, max_queue: int = 64,
                  metrics: Metrics | None = None, prefill_tokens_per_step: int | None = None,
                  kv_cache_bytes: int | None = None, packed_batching: bool = True, prefix_cache_bytes: int = 0,
-                 speculative: str = "off", decode_step: str = "eager"):
+                 speculative: str = "off", decode_step: str = "eager", adapters: LoraAdapters | None = None):
         self._load = model if callable(model) else (lambda: model)
         self.lm: LoadedModel | None = None
         self.loaded = threading.Event()  # set once the model is loaded, or failed to load
@@ -102,6 +106,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self.speculative = speculative  # "ngram" | "off"
         self.decode_step = decode_step  # "eager" | "compiled" (app/core/runner/static_step.py)
+        self.adapters = adapters  # LoRA: the model's linears made adaptable at load, the start-up adapters loaded
         self._abort: ServeError | None = None
         self.max_active, self.max_queue = max_active, max_queue
         self.prefill_tokens_per_step = prefill_tokens_per_step
@@ -149,16 +154,18 @@ class Engine:
             self._wake.notify()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               queue_deadline: float | None = None, deadline: float | None = None) -> RequestHandle:
+               queue_deadline: float | None = None, deadline: float | None = None,
+               adapter: LoraAdapter | None = None) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent.
-        The deadlines are `time.perf_counter()` times (see the module docstring)."""
+        The deadlines are `time.perf_counter()` times (see the module docstring). `adapter`: the LoRA adapter this
+        request runs with (the handle holds it to the end); None: the base model."""
         if self.draining:
             raise ShuttingDown()
         max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
         kv_bytes = self.kv_budget.request_bytes(self.kv_layout, len(prompt_ids), max_new)  # 400 if it never fits
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
                                asyncio.get_running_loop(), kv_bytes=kv_bytes, queue_deadline=queue_deadline,
-                               deadline=deadline)
+                               deadline=deadline, adapter=adapter)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead(f"the engine has stopped: {self.died!r}" if self.died else "the engine has stopped")
@@ -166,6 +173,7 @@ class Engine:
                 raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
                                  "retry shortly")
             self._waiting.append(handle)
+            self.metrics.adapter_requests.labels(adapter=adapter_label(handle)).inc()
             self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
         return handle
@@ -176,6 +184,8 @@ class Engine:
         torch.set_grad_enabled(False)
         try:
             self.lm = self._load()
+            if self.adapters is not None:  # before the compiled step is traced: it sees the wrapped layers
+                self.adapters.attach(self.lm.model)
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
             self._set_up_kv_budget()
             self._set_up_shortcuts()
@@ -398,3 +408,4 @@ class Engine:
         handle.first_token_at = handle.first_token_at or now
         handle.last_token_at = now
         self.metrics.completion_tokens.inc()
+        self.metrics.adapter_tokens.labels(adapter=adapter_label(handle)).inc()

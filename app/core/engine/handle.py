@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from app.core.sequence import TokenEvent
 from app.core.sampling import SamplingParams
@@ -65,6 +65,7 @@ class RequestHandle:
     # Set once the request has left the queue, admitted or ended: a stream with a queue limit waits for it before
     # its 200, so that a queue timeout is still an HTTP error with Retry-After.
     left_queue: asyncio.Event = field(default_factory=asyncio.Event)
+    adapter: Any = None  # app.models.lora.LoraAdapter: held until the request ends, even if it is unloaded meanwhile
 
     def cancel(self, client_left: bool = True) -> None:
         """Stop generating and free the cache. `client_left=False`: the server gave up on it (say, a sibling

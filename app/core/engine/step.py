@@ -45,6 +45,12 @@ Work = tuple[RequestHandle, Sequence, int, list[int]]  # a request, the tokens i
 Emitted = tuple[RequestHandle, Sequence, TokenEvent | Exception]  # a token, or why this request cannot go on
 
 
+def prefix_salt(cache_salt: str | None, adapter) -> str | None:
+    """The prefix cache's salt: the request's own, and its LoRA adapter's load (an adapter's KV is its own: its
+    keys and values differ from the base's and any other adapter's for the same tokens)."""
+    return cache_salt if adapter is None else f"{cache_salt or ''}\0{adapter.key}"
+
+
 def default_prefill_tokens_per_step(device: torch.device) -> int:
     """How many prompt tokens one engine step may prefill.
 
@@ -146,6 +152,10 @@ class StepRunner:
                     continue
                 n = 1 + len(drafts)  # the newest token, then any drafts to verify
             work.append((handle, seq, n, drafts))
+        # each LoRA adapter's rows side by side (the base's first): its rows are then one slice of the pass for
+        # the adapted layers, with no gather or scatter (app/models/lora_layers.py); a stable sort, so without
+        # adapters nothing moves
+        work.sort(key=lambda entry: "" if entry[1].adapter is None else entry[1].adapter.key)
         groups = [work] if self.batch_decode and work else [[entry] for entry in work]
         for group in groups:
             for handle, seq, event in self._run_pass(group):
@@ -166,7 +176,8 @@ class StepRunner:
         except Exception as err:  # noqa: BLE001 - one request's failure is its own
             self.fail([handle], err)
             return None
-        if self.speculative:
+        seq.adapter = handle.adapter
+        if self.speculative:  # an adapter's rows verify drafts with the same adapter: exact as without one
             seq.drafter = NgramDrafter()
         self.started(handle, seq)
         return seq
@@ -241,7 +252,7 @@ class StepRunner:
         if self.prefix_cache is None or seq.prompt_logprobs is not None:  # a scored prompt needs every position
             return
         self.metrics.prefix_cache_queried.inc(seq.prompt_len)
-        blocks = self.prefix_cache.match(handle.prompt_ids, handle.params.cache_salt)
+        blocks = self.prefix_cache.match(handle.prompt_ids, prefix_salt(handle.params.cache_salt, handle.adapter))
         if blocks:
             seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
             handle.cached_tokens = seq.cache.get_seq_length()
@@ -255,7 +266,7 @@ class StepRunner:
         try:
             as_dynamic = getattr(seq.cache, "as_dynamic_cache", None)  # a KV pool handle (DECODE_STEP=compiled)
             self.prefix_cache.insert(token_ids, as_dynamic(self.lm.model.config) if as_dynamic else seq.cache,
-                                     seq.params.cache_salt)
+                                     prefix_salt(seq.params.cache_salt, seq.adapter))
         except Exception:  # noqa: BLE001
             log.exception("the prefix cache could not keep a sequence; serving goes on without it")
         self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)

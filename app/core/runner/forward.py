@@ -13,6 +13,9 @@ its next tokens to feed: a prefill chunk, 1 to decode, or the newest token and k
 decode-only passes, DECODE_STEP=compiled), else `forward`. The engine's StepRunner and every tensor-parallel
 follower call it, so all ranks take the same path on the same inputs.
 
+A row's sequence may carry a LoRA adapter (`seq.adapter`): the pass adds each row's own low-rank product to the
+body's linears (app/models/lora_layers.py), so rows of different adapters and the base share one pass.
+
 `engine_pass`: in fp32 on a CPU, the engine's passes take several rows of a linear on faster kernels
 (app/models/batch_rows.py), which round differently, as any batching does. `generate()` passes False: its one row
 is always the solo pass on `nn.Linear`'s own arithmetic, so it keeps `model.generate()`'s tokens bit for bit.
@@ -28,6 +31,7 @@ import torch
 from app.core.runner.kv_pool import POOLED
 from app.core.runner.packed import PACKED, PackedCaches, attention_windows, decode_matmuls, packed_inputs
 from app.models.batch_rows import batch_rows
+from app.models.lora_layers import adapter_rows
 from app.models.logits import logits_from_hidden
 
 
@@ -54,7 +58,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         inputs = packed_inputs(items, device)  # [1, T_total], each row at its own positions
         spans = inputs.pop("spans")
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model))
-    with batch_rows() if engine_pass else nullcontext():
+    adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
+    with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]
         last = torch.tensor([end - k for (_, end), m in zip(spans, n_out) for k in range(m, 0, -1)], device=device)
         return logits_from_hidden(model, hidden[:, last])[0].float()  # [sum(n_out), vocab]
@@ -68,7 +73,8 @@ def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None
     holds them; otherwise its pooled rows first make room for what they feed (a full pool moves a row to a cache
     of its own rather than failing the pass) and the pass runs eagerly."""
     if compiled is not None:
-        if all(n == 1 and not seq.prefilling for seq, n in work):
+        # the compiled step is traced without adapters: a pass with an adapter row runs eagerly
+        if all(n == 1 and not seq.prefilling and getattr(seq, "adapter", None) is None for seq, n in work):
             logits = compiled.run([seq for seq, _ in work])  # None: it cannot take this pass
             if logits is not None:
                 return logits, compiled.path

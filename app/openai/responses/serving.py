@@ -49,7 +49,7 @@ class ResponsesServing:
         except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent
             err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
             raise
-        answer = Answer(body, chat, self.serving.model_id, len(prompt_ids))
+        answer = Answer(body, chat, self.serving.served_name(choices), len(prompt_ids))
         if rid := getattr(request.state, "x_request_id", None):
             answer.id = f"resp_{rid}"  # the request's x-request-id, as on the other routes
         request.state.request_id = answer.id

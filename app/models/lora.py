@@ -1,0 +1,171 @@
+"""LoRA adapters: peft's files read, checked against the served model, and kept by name.
+
+An adapter is a directory as peft's `save_pretrained` writes it: `adapter_config.json` (`r`, `lora_alpha`,
+`target_modules`, `use_rslora`) and `adapter_model.safetensors`, where each targeted linear `W` [out, in] has
+`...<module>.lora_A.weight` [r, in] and `...<module>.lora_B.weight` [out, r]. The adapted layer computes
+`W x + scale * B (A x)`, scale = alpha / r (alpha / sqrt(r) with rsLoRA), as peft's own unmerged forward does.
+
+Nothing is merged into the base weights: each request names its adapter (or none), and the layers add each row's
+own low-rank product (app/models/lora_layers.py), so requests of several adapters and the base share a pass.
+An adapter is read and checked whole before it is registered, so a bad one changes nothing already loaded. A
+request holds its `LoraAdapter` (its weights with it) for as long as it runs: unloading only forgets the name.
+
+What is refused, with a message naming it: a missing path, a directory that is not a peft LoRA adapter, a module
+this model does not have as a linear layer of its body, shapes that differ from the base's, a rank above
+MAX_LORA_RANK, and peft options this loop does not apply (DoRA, trained biases, `modules_to_save`, per-module
+rank or alpha patterns, embedding adapters).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from app.errors import InvalidRequest, ModelNotFound
+from app.models.lora_layers import wrap_linears
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_serials = itertools.count(1)
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int
+    scale: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r]), model dtype
+    # unique per load: salts the prefix cache, so a reload under the same name never reuses the old one's KV
+    key: str = field(default_factory=lambda: f"lora-{next(_serials)}")
+
+
+def _refuse(message: str) -> InvalidRequest:
+    return InvalidRequest(message, param="lora_path", code="invalid_lora_adapter")
+
+
+def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    """Read and check one adapter directory. `targets`: the model's adaptable linears, name -> (in, out)."""
+    where = Path(path)
+    if not where.exists():
+        raise _refuse(f"adapter {name!r}: the path {path!r} does not exist on the server")
+    if not (where / CONFIG_FILE).is_file():
+        raise _refuse(f"adapter {name!r}: {path!r} is not a peft adapter (no {CONFIG_FILE})")
+    try:
+        config = json.loads((where / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise _refuse(f"adapter {name!r}: {CONFIG_FILE} cannot be read: {err}") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
+        raise _refuse(f"adapter {name!r}: {path!r} is not a LoRA adapter (peft_type "
+                      f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise _refuse(f"adapter {name!r}: {CONFIG_FILE} needs a positive integer `r` and a number `lora_alpha`")
+    if rank > max_rank:
+        raise _refuse(f"adapter {name!r} has rank {rank}, above MAX_LORA_RANK={max_rank}")
+    unsupported = [key for key, plain in (("use_dora", False), ("bias", "none"), ("lora_bias", False),
+                                          ("fan_in_fan_out", False), ("modules_to_save", None), ("rank_pattern", {}),
+                                          ("alpha_pattern", {}), ("layer_replication", None),
+                                          ("trainable_token_indices", None), ("target_parameters", None),
+                                          ("alora_invocation_tokens", None))
+                   if config.get(key, plain) not in (plain, None, {}, [], False)]
+    if unsupported:
+        raise _refuse(f"adapter {name!r} uses peft options this server does not apply: {', '.join(unsupported)}")
+    if not (where / WEIGHTS_FILE).is_file():
+        raise _refuse(f"adapter {name!r}: no {WEIGHTS_FILE} in {path!r} (only peft's safetensors format is read)")
+    try:
+        tensors = load_file(str(where / WEIGHTS_FILE))
+    except Exception as err:  # noqa: BLE001 - a corrupt file is the caller's to fix
+        raise _refuse(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read: {err}") from None
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoraAdapter(name, path, rank, float(scale), _pairs(name, tensors, targets, rank, dtype, device))
+
+
+def _pairs(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tuple[int, int]], rank: int,
+           dtype: torch.dtype, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """peft's keys (`base_model.model.<module>.lora_A.weight`) -> module name -> (A, B), checked against the base."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, dot, rest = key.removeprefix("base_model.model.").rpartition(".lora_")
+        if not dot or rest not in ("A.weight", "B.weight"):
+            raise _refuse(f"adapter {name!r}: tensor {key!r} is not a LoRA linear's A or B (embedding adapters "
+                          "are not served)")
+        halves.setdefault(module, {})[rest[0]] = tensor
+    if not halves:
+        raise _refuse(f"adapter {name!r} holds no LoRA weights")
+    pairs = {}
+    for module, half in halves.items():
+        if module not in targets:
+            raise _refuse(f"adapter {name!r} targets {module!r}, which is not a linear layer of this model's body")
+        if set(half) != {"A", "B"}:
+            raise _refuse(f"adapter {name!r}: {module!r} lacks its lora_{'B' if 'A' in half else 'A'} weight")
+        n_in, n_out = targets[module]
+        a, b = half["A"], half["B"]
+        if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
+            raise _refuse(f"adapter {name!r} does not fit this base model: {module!r} is {n_out} x {n_in} here, "
+                          f"the adapter's A is {tuple(a.shape)} and B is {tuple(b.shape)} (rank {rank})")
+        pairs[module] = (a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous())
+    return pairs
+
+
+class LoraAdapters:
+    """The adapters a server holds, by name: at most `max_loras` resident, each of rank at most `max_rank`.
+
+    `attach` (on the engine's thread, once the model is loaded) makes the model's linears adaptable and loads the
+    start-up adapters; `load` and `unload` may then run on any thread, while the engine runs passes."""
+
+    def __init__(self, base_id: str, modules: dict[str, str] | None = None, max_loras: int = 4, max_rank: int = 16,
+                 runtime_loading: bool = False):
+        self.base_id, self.startup = base_id, dict(modules or {})
+        self.max_loras, self.max_rank, self.runtime_loading = max_loras, max_rank, runtime_loading
+        self._by_name: dict[str, LoraAdapter] = {}
+        self._lock = threading.Lock()  # registration only: a load reads its files outside it
+        self._targets: dict[str, tuple[int, int]] = {}
+        self._dtype, self._device = torch.float32, torch.device("cpu")
+
+    def attach(self, model: torch.nn.Module) -> None:
+        self._targets = wrap_linears(model)
+        param = next(model.parameters())
+        self._dtype = param.dtype if param.is_floating_point() else torch.float32
+        self._device = param.device
+        for name, path in self.startup.items():
+            self.load(name, path)
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        if not name or name == self.base_id:
+            raise InvalidRequest(f"an adapter cannot be named {name!r}", param="lora_name")
+        with self._lock:
+            self._check_room(name)
+        adapter = read_adapter(name, path, self._targets, self.max_rank, self._dtype, self._device)
+        with self._lock:  # checked again: another load may have taken the name or the room meanwhile
+            self._check_room(name)
+            self._by_name[name] = adapter
+        return adapter
+
+    def _check_room(self, name: str) -> None:
+        if name in self._by_name:
+            raise InvalidRequest(f"an adapter named {name!r} is already loaded; unload it first", param="lora_name")
+        if len(self._by_name) >= self.max_loras:
+            raise InvalidRequest(f"{len(self._by_name)} adapters are loaded, MAX_LORAS={self.max_loras}; unload one "
+                                 "first", param="lora_name")
+
+    def unload(self, name: str) -> None:
+        """Forget `name`; requests already running with it keep its weights until they end."""
+        with self._lock:
+            if self._by_name.pop(name, None) is None:
+                raise ModelNotFound(f"no adapter named {name!r} is loaded", param="lora_name")
+
+    def get(self, name: str) -> LoraAdapter | None:
+        with self._lock:
+            return self._by_name.get(name)
+
+    def loaded(self) -> list[LoraAdapter]:
+        with self._lock:
+            return list(self._by_name.values())

@@ -1,0 +1,94 @@
+"""LoRA adapters in a live server process: 8 streams mixing the base and three adapters (two from LORA_MODULES, one
+loaded at runtime) decode together, each one's text equal to its solo run, while the runtime one is unloaded under
+its running stream (which finishes); no 5xx, and `/health` answers within 100 ms throughout (probed from a process
+of its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import free_port, wait_until_ready
+from test_adversarial import HEALTH_BOUND_S, HealthProbe, stream_text
+from test_lora import adapters  # noqa: F401 - the fixture: two peft adapters of the tiny model
+
+pytestmark = pytest.mark.server
+MODELS = ["tiny", "alpha", "beta", "tiny", "alpha", "beta", "alpha", "gamma"]  # gamma: loaded at runtime
+
+
+def unload_midway(url: str, request: dict) -> tuple[str, int]:
+    """Stream `request`, unloading its adapter once its first token has come; its text, and the unload's status."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        status = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": request["model"]},
+                            timeout=30).status_code
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    chunks = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks), status
+
+
+def body(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Tell me about Paris, {i}."}], "max_tokens": 60,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, adapters, tmp_path_factory):  # noqa: F811 - `adapters` is the fixture
+    paths, _ = adapters
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("lora-streams") / "serve.log"
+    env = dict(os.environ, SERVED_MODEL_NAME="tiny", LORA_MODULES=f"alpha={paths['alpha']},beta={paths['beta']}",
+               LORA_RUNTIME_LOADING="true", MAX_LORA_RANK="8")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+        yield url, paths
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_eight_streams_of_base_and_two_adapters_each_equal_their_solo_run(server, tmp_path):
+    url, paths = server
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": paths["beta"]},
+                        timeout=30)
+    assert loaded.status_code == 200, loaded.text
+    solo = [stream_text(url, {"model": model, **body(i)}) for i, model in enumerate(MODELS)]
+    assert solo[0] != solo[1] != solo[2]  # the adapters change the text
+    probe = HealthProbe(url, tmp_path)
+    time.sleep(1)  # its interpreter has started
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(stream_text, url, {"model": model, **body(i)}) for i, model in enumerate(MODELS)
+                       if model != "gamma"]
+            midway = pool.submit(unload_midway, url, {"model": "gamma", **body(7)})  # unloaded under its stream
+            together = [f.result() for f in streams]
+            text, unloaded = midway.result()
+    finally:
+        latencies = probe.latencies()
+    assert unloaded == 200
+    assert together == solo[:7] and text == solo[7]
+    assert httpx.post(f"{url}/v1/chat/completions", json={"model": "gamma", **body(7)}).status_code == 404
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"/health with 8 mixed adapter streams: {len(latencies)} probes, p99 {p99 * 1000:.1f} ms")
+    assert len(latencies) > 20 and p99 < HEALTH_BOUND_S
+    metrics = httpx.get(url + "/metrics").text
+    assert not [line for line in metrics.splitlines() if line.startswith("simple_serve_requests_total{")
+                and 'status="5' in line and not line.endswith(" 0.0")], metrics
