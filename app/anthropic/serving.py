@@ -32,7 +32,8 @@ from app.anthropic.protocol import CHAT_TO_MESSAGES_PARAM, CountTokensRequest, M
 from app.errors import InvalidRequest, ServeError
 from app.openai.answer import Choice, Delta, choice_calls
 from app.openai.protocol import ChatCompletionRequest
-from app.openai.serving import CompletionServing, record_timing
+from app.openai.serving import CompletionServing
+from app.openai.stream_parts import record_timing
 from app.openai.sse import event_stream
 
 log = logging.getLogger("app.anthropic.serving")

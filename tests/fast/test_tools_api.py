@@ -11,7 +11,8 @@ import pytest
 from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
 from app.openai.protocol import ChatCompletionRequest
-from app.openai.serving import Choice, CompletionServing, tool_payloads
+from app.openai.serving import Choice, CompletionServing
+from app.openai.stream_parts import tool_payloads
 from app.openai.tools import HermesToolParser
 
 from conftest import ThreadServer

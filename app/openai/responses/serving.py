@@ -28,7 +28,8 @@ from app.errors import InvalidRequest, ServeError
 from app.openai.protocol import ChatCompletionRequest, now
 from app.openai.responses.protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
 from app.openai.answer import Choice, Delta, choice_calls
-from app.openai.serving import CompletionServing, record_timing
+from app.openai.serving import CompletionServing
+from app.openai.stream_parts import record_timing
 from app.openai.sse import event_stream
 
 log = logging.getLogger("app.openai.responses.serving")
