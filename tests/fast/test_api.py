@@ -168,6 +168,54 @@ def test_overload_gets_429_with_retry_after(make_tiny_server, monkeypatch):
     assert finish[-1] == "length", "the admitted stream is unaffected"
 
 
+@pytest.mark.full
+def test_a_burst_past_the_queue_gets_429s_at_once_and_nothing_hangs(make_tiny_server, monkeypatch):
+    """Five requests at once against one running slot and one queue slot: the rest are refused at once (before the
+    accepted work ends), with OpenAI's error and Retry-After; the SDK raises RateLimitError; streams left unread
+    give their slots back."""
+    import asyncio
+
+    import app.core.engine.step as step_module
+
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *args: (time.sleep(0.02), real(*args))[1])
+    server = make_tiny_server(max_active=1, max_queue=1)
+
+    async def one(c: httpx.AsyncClient) -> tuple[httpx.Response, float]:
+        t = time.perf_counter()
+        r = await asyncio.wait_for(c.post(CHAT, json=chat_body(max_tokens=16)), timeout=60)
+        return r, time.perf_counter() - t
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return await asyncio.gather(*(one(c) for _ in range(5)))
+
+    results = asyncio.run(burst())
+    ok = [(r, s) for r, s in results if r.status_code == 200]
+    rejected = [(r, s) for r, s in results if r.status_code == 429]
+    assert len(ok) + len(rejected) == 5 and rejected and 1 <= len(ok) <= 2
+    for r, seconds in rejected:
+        assert int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+        assert seconds < min(s for _, s in ok), "a refusal is immediate, not after the accepted work"
+    assert all(r.json()["usage"]["completion_tokens"] == 16 for r, _ in ok)
+
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as s1, \
+            httpx.stream("POST", server.url + CHAT, json=chat_body(max_tokens=200, stream=True)) as s2:
+        assert (s1.status_code, s2.status_code) == (200, 200)
+        with pytest.raises(openai.RateLimitError) as limited:
+            sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert limited.value.response.headers.get("retry-after")
+    deadline = time.monotonic() + 5  # both streams closed unread: their slots come back
+    while server.state.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.engine.in_flight == 0
+    assert sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
 def test_failure_mid_stream_sends_error_event_then_done(make_tiny_server, monkeypatch):
     server = make_tiny_server()
     import app.core.engine.step as step_module
