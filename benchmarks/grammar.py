@@ -3,6 +3,9 @@
 1) engines: xgrammar and llguidance (when installed) on this model's vocabulary: tokenizer setup, compiling a JSON
    schema, and the per-step mask (fill the bitmask + apply it to the logits) at batch 1 and 8, following a fixed
    document token by token. Both apply with xgrammar's CPU kernel: llguidance's own torch fallback is far slower.
+   With `--hostile`: the hostile schemas of docs/limits.md (the shapes our static bounds now refuse), each engine
+   compiling in a process of its own under a deadline, and llguidance's first mask (it builds lazily, so part of
+   its work moves to the first steps).
 2) decode: the same batch decoding greedily with and without a json_schema grammar on every row, as the engine
    runs it (`forward` + `choose_many`): ms per step and the overhead in percent. Rows without a grammar never
    reach the mask code, so their cost is the plain figure.
@@ -33,6 +36,18 @@ SCHEMA = {"type": "object", "properties": {
                 "required": ["city"]}}, "required": ["name", "age", "tags"]}
 DOCUMENT = {"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"],
             "address": {"city": "London", "zip": "W1"}}
+# What one greedy client sent (docs/limits.md): each is refused today by a bound summed over the schema.
+HOSTILE = {
+    "20 properties of pattern (a|b){0,1000}": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^(a|b){0,1000}$"} for i in range(20)},
+        "required": [f"p{i}" for i in range(20)]},
+    "enum of 20,000 strings": {
+        "type": "object", "properties": {"e": {"enum": [f"value-{i:05d}-xyz" for i in range(20000)]}}, "required": ["e"]},
+    "200 sequential [a-z]{0,1000} in one pattern": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^" + "[a-z]{0,1000}," * 200 + "$"}},
+        "required": ["s"]},
+    "the 4-property schema above (innocent)": SCHEMA,
+}
 PROMPT = "Describe Ada Lovelace as JSON with name, age, tags and address."
 
 
@@ -42,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--steps", type=int, default=24, help="decode steps per timed run")
     parser.add_argument("--batches", default="1,8", help="batch sizes to time")
+    parser.add_argument("--hostile", action="store_true", help="also time both engines on the hostile schemas")
+    parser.add_argument("--hostile-limit", type=float, default=60, help="seconds one hostile compile may take")
     parser.add_argument("--engines-only", action="store_true", help="skip the decode runs (no model weights)")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here (docs/results/ keeps "
                         "the ones the docs cite)")
@@ -80,6 +97,64 @@ def time_engines(tokenizer, vocab_size: int, eos_ids: list[int], batches: list[i
         matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(b)]
         out["llguidance"][f"step_ms_b{b}"] = _mask_loop(ids, vocab_size, matchers, lambda m, mask, r: llt.fill_next_token_bitmask(m, mask, r),
                                                        lambda m, t: m.consume_token(t))
+    return out
+
+
+def _compile_one(engine: str, tokenizer, vocab_size: int, eos_ids: list[int], schema: dict, out) -> None:
+    """In a child process: compile `schema` with `engine`, send back ms (and llguidance's first mask)."""
+    text = json.dumps(schema)
+    if engine == "xgrammar":
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids)
+        compiler = xgr.GrammarCompiler(info, cache_enabled=False, max_threads=1)
+        start = time.perf_counter()
+        compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=4)
+        out.put({"compile_ms": (time.perf_counter() - start) * 1e3})
+        return
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as llt
+
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids[0])
+    start = time.perf_counter()
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(
+        text, defaults={"whitespace_flexible": True}))
+    compiled = (time.perf_counter() - start) * 1e3
+    bitmask = llt.allocate_token_bitmask(1, vocab_size)
+    start = time.perf_counter()
+    llt.fill_next_token_bitmask(matcher, bitmask, 0)
+    out.put({"compile_ms": compiled, "first_mask_ms": (time.perf_counter() - start) * 1e3,
+             "error": matcher.get_error() or None})
+
+
+def time_hostile(tokenizer, vocab_size: int, eos_ids: list[int], limit_s: float) -> dict:
+    """Each engine on each hostile schema, in a forked process killed past `limit_s` (as our worker is)."""
+    import multiprocessing
+
+    engines = ["xgrammar"]
+    try:
+        import llguidance  # noqa: F401
+
+        engines.append("llguidance")
+    except ImportError:
+        pass
+    context = multiprocessing.get_context("fork")
+    out: dict = {"limit_s": limit_s}
+    for name, schema in HOSTILE.items():
+        for engine in engines:
+            queue = context.Queue()
+            child = context.Process(target=_compile_one, args=(engine, tokenizer, vocab_size, eos_ids, schema, queue))
+            child.start()
+            child.join(limit_s)
+            if child.is_alive():
+                child.kill()
+                child.join()
+                result = {"killed_after_s": limit_s}
+            else:
+                result = queue.get() if not queue.empty() else {"exit_code": child.exitcode}
+            out.setdefault(engine, {})[name] = result
+            print(f"{engine:11s} {name}: {result}", flush=True)
     return out
 
 
@@ -124,6 +199,8 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {**record.envelope("grammar", args), "model": settings.model, "vocab_size": lm.vocab_size,
                     "tokenizer_size": len(lm.tokenizer),
                     "engines": time_engines(lm.tokenizer, lm.vocab_size, list(lm.eos_ids), batches)}
+    if args.hostile:
+        report["hostile"] = time_hostile(lm.tokenizer, lm.vocab_size, list(lm.eos_ids), args.hostile_limit)
     if not args.engines_only:
         if not enable_packed_batching(lm.model):
             raise SystemExit("this model cannot batch in one pass; the decode comparison needs it")
