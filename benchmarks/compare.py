@@ -262,17 +262,17 @@ def print_comparison(report: dict) -> None:
     print(f"\n{report['model']} ({report['dtype']}, {report['device']})")
     if build := report.get("llama.cpp build"):
         print(f"llama.cpp build: {build}")
-    print(f"{'load':<12}{'server':<18}{'tok/s':>8}{'ours/this':>11}{'TTFT p50':>11}{'ITL p50':>10}{'errors':>8}")
+    print(f"{'load':<17}{'server':<18}{'tok/s':>8}{'ours/this':>11}{'TTFT p50':>11}{'ITL p50':>10}{'errors':>8}")
     for scenario, by_server in report["results"].items():
         ours = _rate(by_server.get("ours"))
         for kind, r in by_server.items():
             if "crashed" in r:
-                print(f"{scenario:<12}{kind:<18}{'crashed':>8}{'-':>11}{'-':>11}{'-':>10}{'-':>8}  {r['crashed']}")
+                print(f"{scenario:<17}{kind:<18}{'crashed':>8}{'-':>11}{'-':>11}{'-':>10}{'-':>8}  {r['crashed']}")
                 continue
             rate = _rate(r)
             ratio = f"{ours / rate:.2f}x" if ours and rate else "-"
             ttft, itl = r["ttft_s"]["p50"], r["itl_per_token_s"]["p50"]
-            print(f"{scenario:<12}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
+            print(f"{scenario:<17}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
                   f"{'-' if ttft is None else f'{ttft * 1e3:.0f} ms':>11}"
                   f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
     for scenario, by_server in report["results"].items():  # the int8 goals: ours-int8 against llama.cpp
@@ -283,7 +283,8 @@ def print_comparison(report: dict) -> None:
         elif ours and peer and _rate(peer) and peer["ttft_s"]["p50"]:
             print(f"{scenario}: ours-int8 / llama.cpp: {_rate(ours) / _rate(peer):.2f}x the "
                   f"tokens/s, {(ours['ttft_s']['p50'] or 0) / peer['ttft_s']['p50']:.2f}x the TTFT p50")
-    single, loaded = (by_server.get("ours") for by_server in report["results"].values())
+    # the first two scenarios: one stream, then N streams (the mixed workload, when run, comes after them)
+    single, loaded = (by_server.get("ours") for by_server in list(report["results"].values())[:2])
     if _rate(single) and _rate(loaded) and single["ttft_s"]["p50"]:
         print(f"ours, loaded vs 1 stream: {_rate(loaded) / _rate(single):.2f}x "
               f"the tokens/s, {loaded['ttft_s']['p50'] / single['ttft_s']['p50']:.2f}x the TTFT p50")

@@ -172,6 +172,27 @@ class ThreadServer:
         return self.app.state.serve
 
 
+@pytest.fixture(scope="session")
+def shared_real_server(request, tmp_path_factory):
+    """One `python -m app serve` process on the default model, with an API key (test_server_real.API_KEY), for the
+    real clients' tests (the anthropic SDK, pydantic-ai, instructor, the openai SDK's tools, LangChain, the Agents
+    SDK): each start costs ~10 s of the lane, and none of them changes the server's settings."""
+    from test_server_real import finish, started
+
+    failed_before = request.session.testsfailed
+    srv = started(tmp_path_factory, "shared", MAX_ACTIVE="4", API_KEY=request.getfixturevalue("real_api_key"),
+                  SHUTDOWN_GRACE_S="5")
+    yield srv
+    finish(srv, request.session.testsfailed > failed_before)
+
+
+@pytest.fixture(scope="session")
+def real_api_key() -> str:
+    from test_server_real import API_KEY
+
+    return API_KEY
+
+
 @pytest.fixture
 def make_tiny_server(tiny_lm):
     """Build a server around the tiny model with the given settings; closed at the end of the test."""

@@ -2,7 +2,7 @@
 
 Most tests run on the tiny random model (answers are noise, shapes are not) and on the tiny scripted Qwen3 of
 test_reasoning.py (a known answer with known thinking). The Agents SDK runs against a live server on the default
-model.
+model in tests/real/test_tools_real.py.
 """
 
 from __future__ import annotations
@@ -273,42 +273,3 @@ def test_failure_mid_stream_sends_error_event_then_done(tiny, monkeypatch):
     # counted as the error it ended with, not as a 200, and not as a client cancellation
     metrics = httpx.get(tiny.url + "/metrics").text
     assert 'status="500"} 1.0' in metrics and "simple_serve_cancellations_total 0.0" in metrics
-
-
-# ---- the OpenAI Agents SDK against a live server on the default model ----
-
-@pytest.mark.real_model
-@pytest.mark.server
-def test_agents_sdk_runs_an_agent_with_a_function_tool(tmp_path_factory):
-    """An agent with one function tool, over the Responses API: the model calls the tool, the SDK runs it and
-    sends the result back as a function_call_output item, and the model answers."""
-    import asyncio
-
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
-    from test_server_real import MODEL, finish, started
-
-    set_tracing_disabled(True)  # tracing would try to upload to OpenAI
-    calls: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        calls.append(city)
-        return f"It is sunny and 21 C in {city}."
-
-    server = started(tmp_path_factory, "agents")
-    failed = True
-    try:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
-        agent = Agent(name="weather", instructions="You answer weather questions. Always call get_weather first.",
-                      tools=[get_weather], model=OpenAIResponsesModel(MODEL, client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=48))
-        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
-        kinds = [type(item) for item in result.new_items]
-        assert calls == ["Paris"]
-        assert kinds[:3] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem], kinds
-        assert isinstance(result.final_output, str) and result.final_output.strip()
-        failed = False
-    finally:
-        finish(server, failed)

@@ -1,8 +1,8 @@
 """Real clients against a real server on the default model (Qwen2.5-Coder-0.5B), as a new user would point them:
 the official `anthropic` SDK on /v1/messages (create, stream, system, stop_sequences, a tool round trip,
 count_tokens, a missing max_tokens), pydantic-ai's agents through its Anthropic provider (a function tool, a
-structured output type), and instructor through the openai SDK (TOOLS and JSON_SCHEMA modes). One server for the
-module, with an API key (the Anthropic clients send it as `x-api-key`, the openai SDK as a Bearer token); greedy,
+structured output type), and instructor through the openai SDK (TOOLS and JSON_SCHEMA modes). The session's shared
+real server, with an API key (the Anthropic clients send it as `x-api-key`, the openai SDK as a Bearer token); greedy,
 short answers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import anthropic
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server_real import API_KEY, MODEL, finish, started
+from test_server_real import API_KEY, MODEL
 
 pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
@@ -28,11 +28,8 @@ class Capital(BaseModel):  # "city", not "name": with `name` the 0.5B model fill
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory):
-    failed_before = request.session.testsfailed
-    srv = started(tmp_path_factory, "anthropic", MAX_ACTIVE="4", API_KEY=API_KEY, SHUTDOWN_GRACE_S="5")
-    yield srv
-    finish(srv, request.session.testsfailed > failed_before)
+def server(shared_real_server):
+    return shared_real_server  # the session's real server (tests/conftest.py), with API_KEY
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Real clients against a real server on the default model (Qwen2.5-Coder-0.5B): the openai SDK's tools round trip
 (streamed and not) and `chat.completions.parse`, LangChain's `bind_tools` with a forced tool and
-`with_structured_output`. One server for the module; greedy, short answers."""
+`with_structured_output`. The session's shared real server; greedy, short answers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from test_server_real import MODEL, finish, started
+from test_server_real import API_KEY, MODEL
 
 pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
@@ -27,16 +27,13 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tools_server(request, tmp_path_factory):
-    failed_before = request.session.testsfailed
-    srv = started(tmp_path_factory, "tools", MAX_ACTIVE="4", SHUTDOWN_GRACE_S="5")
-    yield srv
-    finish(srv, request.session.testsfailed > failed_before)
+def tools_server(shared_real_server):
+    return shared_real_server  # the session's real server (tests/conftest.py), with API_KEY
 
 
 @pytest.fixture(scope="module")
 def client(tools_server) -> OpenAI:
-    return OpenAI(base_url=f"{tools_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return OpenAI(base_url=f"{tools_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def test_openai_sdk_tools_round_trip_streamed_and_not(client):
@@ -88,7 +85,7 @@ def test_langchain_bind_tools_with_a_forced_tool_and_with_structured_output(tool
         """Get the current weather in a city."""
         return "sunny"
 
-    llm = ChatOpenAI(base_url=f"{tools_server.url}/v1", api_key="unused", model=MODEL, temperature=0,
+    llm = ChatOpenAI(base_url=f"{tools_server.url}/v1", api_key=API_KEY, model=MODEL, temperature=0,
                      max_tokens=40, max_retries=0, timeout=300)
     message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Is it raining in Rome?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
@@ -96,3 +93,32 @@ def test_langchain_bind_tools_with_a_forced_tool_and_with_structured_output(tool
 
     city = llm.with_structured_output(City).invoke("Which city is the capital of France?")
     assert isinstance(city, City) and city.name == "Paris"
+
+
+def test_agents_sdk_runs_an_agent_with_a_function_tool(tools_server):
+    """The OpenAI Agents SDK over the Responses API: the model calls the tool, the SDK runs it and sends the result
+    back as a function_call_output item, and the model answers."""
+    import asyncio
+
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)  # tracing would try to upload to OpenAI
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    client = openai.AsyncOpenAI(base_url=tools_server.url + "/v1", api_key=API_KEY)
+    agent = Agent(name="weather", instructions="You answer weather questions. Always call get_weather first.",
+                  tools=[get_weather], model=OpenAIResponsesModel(MODEL, client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=48))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    kinds = [type(item) for item in result.new_items]
+    assert calls == ["Paris"]
+    assert kinds[:3] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem], kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()

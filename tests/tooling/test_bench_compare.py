@@ -279,3 +279,19 @@ def test_the_compiled_servers_settings_are_the_ones_under_which_the_compiled_ste
     settings, default = Settings(), Settings(_env_file=None, decode_step="eager", prepack="auto")
     assert settings.decode_step == "compiled" and settings.prepack in (False, "false")
     assert (settings.prefix_cache_bytes, settings.speculative) == (default.prefix_cache_bytes, default.speculative)
+
+
+def test_the_mixed_workload_runs_after_the_two_loads_and_prints_its_table(tmp_path, monkeypatch, capsys):
+    """`--mixed-requests N` adds a third scenario: every server gets the same mixed prompts, and the summary lines
+    still compare one stream with N streams (a third scenario once broke that summary after the report was
+    written)."""
+    from benchmarks.compare import MIXED
+
+    report, sent = compare_on_fakes(tmp_path, monkeypatch, {"ours": (0.00005, -1), "llama.cpp": (0.00005, -1)},
+                                    "--mixed-requests", "3")
+    assert list(report["results"]) == ["1 stream", "2 streams", MIXED]
+    assert all(report["results"][MIXED][kind]["requests"]["succeeded"] == 3 for kind in ("ours", "llama.cpp"))
+    mixed = {kind: [s["prompt"] for s in sent if s["server"] == kind][-3:] for kind in ("ours", "llama.cpp")}
+    assert sorted(mixed["ours"]) == sorted(mixed["llama.cpp"])  # the same work for both
+    out = capsys.readouterr().out
+    assert "ours, loaded vs 1 stream:" in out and f"{MIXED}: same prompts and answer lengths" in out
