@@ -61,13 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prompt lengths in tokens, e.g. 128,512,1200: after the scenarios, TTFT "
                              "at each, 1 stream (default: off; llama.cpp's slots hold 2,048 tokens each)")
     parser.add_argument("--prompt-len-requests", type=int, default=3, help="requests at each of --prompt-lens")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="also serve ours at the defaults from this checkout of an earlier commit (e.g. `git "
+                             "worktree add DIR COMMIT`), as the server 'ours-before', to compare a change in one run")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/compare-<timestamp>.json)")
 
 
 def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespace,
                    llama_server: Path | None = None, gguf: Path | None = None) -> list[str]:
-    if kind.startswith("ours"):
+    if kind.startswith("ours"):  # ours-before: the same command, run in the --before checkout (see `run`)
         # int8 picks its own activation dtype (fp32 for the dynamic kernel on a CPU); see app/models/quant.py.
         dtype, quant = ("auto", "int8") if kind == "ours-int8" else (args.dtype, "none")
         return [*(("env", *COMPILED) if kind == "ours-compiled" else ()), sys.executable, "-m", "app", "serve",
@@ -115,6 +118,9 @@ def run(args: argparse.Namespace) -> dict:
     if unknown or not kinds:
         raise SystemExit(f"error: --servers: unknown {', '.join(unknown) or '(none given)'}; pick from "
                          f"{', '.join(SERVERS)}")
+    before = before_checkout(args.before)
+    if before:
+        kinds.insert(kinds.index("ours") + 1 if "ours" in kinds else 0, "ours-before")
     if args.ignore_eos and any(k.startswith("transformers") for k in kinds):
         raise SystemExit("error: --ignore-eos: transformers serve rejects the ignore_eos field (HTTP 422); "
                          "compare with EOS honoured, or pass --servers ours")
@@ -144,8 +150,10 @@ def run(args: argparse.Namespace) -> dict:
         for kind in kinds:
             port = free_port()
             log = out.with_name(f"{out.stem}-{kind}.log")
+            # `python -m app` imports the app of its working directory first: ours-before serves the old tree
             proc = subprocess.Popen(server_command(kind, model_dir, port, args, llama_server, gguf), env=env,
-                                    stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                                    stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                    cwd=before["dir"] if kind == "ours-before" else None)
             procs[kind] = (proc, f"http://127.0.0.1:{port}")
             # Ours answers /ready once loaded and warm; the peers have /health (llama.cpp's is 503 while loading).
             try:
@@ -171,6 +179,8 @@ def run(args: argparse.Namespace) -> dict:
               "results": results, "ratios": ratios(results)}
     if llama_build:
         report["llama.cpp build"] = llama_build
+    if before:
+        report["ours-before"] = before
     if lengths:
         report["prompt_lens_counted_with"] = counted_with
         report["ttft_by_prompt_len"] = by_length
@@ -183,6 +193,17 @@ def run(args: argparse.Namespace) -> dict:
         print_mixed(results[MIXED])
     print(f"wrote {out}")
     return report
+
+
+def before_checkout(path: str | None) -> dict | None:
+    """--before: a checkout with the server's package in it, and the commit it is at (None outside git)."""
+    if path is None:
+        return None
+    where = Path(path).expanduser().resolve()
+    if not (where / "app" / "__main__.py").is_file():
+        raise SystemExit(f"error: --before: {where} is not a checkout of this repository (no app/__main__.py)")
+    commit = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"dir": str(where), "commit": commit.stdout.strip() if commit.returncode == 0 else None}
 
 
 def print_mixed(by_server: dict[str, dict]) -> None:

@@ -130,7 +130,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body["messages"][-1]["content"]
         with open(log, "a") as f:
-            f.write(json.dumps({"server": kind, "prompt": prompt}) + "\n")
+            f.write(json.dumps({"server": kind, "prompt": prompt, "cwd": os.getcwd()}) + "\n")
         if 0 <= dies_over < len(prompt):
             os.kill(os.getpid(), signal.SIGKILL)
         tokens = len(prompt) // 4 + 10
@@ -295,3 +295,28 @@ def test_the_mixed_workload_runs_after_the_two_loads_and_prints_its_table(tmp_pa
     assert sorted(mixed["ours"]) == sorted(mixed["llama.cpp"])  # the same work for both
     out = capsys.readouterr().out
     assert "ours, loaded vs 1 stream:" in out and f"{MIXED}: same prompts and answer lengths" in out
+
+
+def test_before_serves_an_earlier_checkout_beside_ours_in_the_same_run(tmp_path, monkeypatch):
+    """`--before DIR` adds 'ours-before': the same server command, started in DIR (where `python -m app` imports
+    that checkout's package), measured on the same load as ours and compared with it."""
+    old = tmp_path / "old"
+    (old / "app").mkdir(parents=True)
+    (old / "app" / "__main__.py").write_text("")
+    git = ["git", "-C", str(old), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for argv in (["init", "-q"], ["add", "."], ["commit", "-qm", "old"]):
+        subprocess.run(git + argv, check=True)
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report, sent = compare_on_fakes(tmp_path, monkeypatch, {"ours": (0.00005, -1), "ours-before": (0.0002, -1)},
+                                    "--servers", "ours", "--before", str(old))
+    assert report["ours-before"] == {"dir": str(old.resolve()), "commit": commit}
+    for scenario in ("1 stream", "2 streams"):
+        assert list(report["results"][scenario]) == ["ours", "ours-before"]
+        assert report["ratios"]["ours_vs"][scenario]["ours-before"] > 0
+    cwd = {s["server"]: s["cwd"] for s in sent}
+    assert cwd["ours-before"] == str(old.resolve()) and cwd["ours"] != str(old.resolve())
+
+
+def test_before_must_be_a_checkout_of_this_repository(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="--before: .* is not a checkout of this repository"):
+        compare_on_fakes(tmp_path, monkeypatch, {"ours": (0.00005, -1)}, "--before", str(tmp_path))
