@@ -46,17 +46,23 @@ serve: setup
 # torch.compile's state (dynamo's caches, counters, recompile limits) is process-wide, so the tests that compile
 # (tests/compile/, marker `compile`) run in a process of their own, after the rest: neither side can leave state to
 # the other.
+# Both lanes run on TEST_WORKERS pytest-xdist worker processes, a file per worker (a module's server starts once),
+# each on one torch thread: most of the suite waits on one Python thread (imports, server starts, HTTP), so on two
+# cores one pytest process left the second core mostly idle, and two torch threads per worker only spin against the
+# other worker. The tests marked `alone` assert a latency under their own load (a /health p99, a first token's wait):
+# they run after the parallel pass, one at a time, on torch's default threads. Time taken: docs/benchmarking.md.
+TEST_WORKERS ?= 2
+PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 FAST_LANE := tests/fast -m "not full and not real_model and not server"
 test: setup chromium qemu
-	$(PY) -m pytest -m "not compile" $(PYTEST_ARGS)
-	$(PY) -m pytest -m compile $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
+	$(PARALLEL) -m "not compile and not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
+	$(PY) -m pytest -m "alone and not compile" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m compile $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(MAKE) --no-print-directory test-avx2
 
-# The fast lane, on one torch thread: the tiny model's matmuls are too small to share, and on a busy machine a second
-# thread mostly spins (the same tests took 60% more CPU time on two). `make test` keeps torch's default. Without the
-# pytest plugins the lane does not use: each costs seconds to load. Time taken: docs/benchmarking.md.
+# The fast lane, without the pytest plugins it does not use: each costs seconds to load.
 test-fast: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(FAST_LANE) -p no:langsmith_plugin -p no:schemathesis $(PYTEST_ARGS)
+	$(PARALLEL) $(FAST_LANE) -p no:langsmith_plugin -p no:schemathesis $(PYTEST_ARGS)
 
 # The AVX2-only path, run by `make test` too: the loading, dtype, prepack-fallback, logits and decode-loop tests
 # again on an emulated AMD EPYC Rome (AVX2, no AVX-512, no AMX), under qemu's user-mode emulator, so CPUID, torch,

@@ -174,6 +174,7 @@ def timed_post(url: str, body: dict, client: str) -> tuple[int, float, dict]:
 
 
 @pytest.mark.server
+@pytest.mark.alone
 def test_an_innocent_schema_beside_one_clients_nine_hostile_ones_takes_at_most_twice_its_time_alone(server):
     """The issue's repro: before, the innocent request got a 429 at once, and a 200 only after 57 s (2.7 s alone)."""
     timed_post(server, schema_chat(innocent_schema("warm-up")), "innocent")  # the compile worker has started

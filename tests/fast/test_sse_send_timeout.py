@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from conftest import ThreadServer
 
 from app.config import Settings
@@ -48,7 +47,6 @@ def small_buffer_server(lm, **settings) -> ThreadServer:
     return server
 
 
-@pytest.mark.full  # seconds: it waits out a send timeout
 def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny_lm, monkeypatch):
     import app.core.engine.step as step_module
 

@@ -15,7 +15,7 @@ from app.config import Settings
 from app.main import create_app
 from conftest import ThreadServer
 
-pytestmark = [pytest.mark.real_model, pytest.mark.server]
+pytestmark = [pytest.mark.real_model, pytest.mark.server, pytest.mark.alone]
 
 
 def test_a_short_request_behind_a_7000_token_prompt_gets_its_first_token_within_2_s(smollm_fp32):

@@ -36,7 +36,7 @@ import pytest
 
 from conftest import free_port, wait_until_ready
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.alone]
 CHAT = "/v1/chat/completions"
 STEP_S = 0.1
 ROUNDS = 3

@@ -20,7 +20,7 @@ from conftest import free_port, wait_until_ready
 from test_adversarial import HEALTH_BOUND_S, HealthProbe, stream_text
 from test_lora import adapters  # noqa: F401 - the fixture: two peft adapters of the tiny model
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.alone]
 MODELS = ["tiny", "alpha", "beta", "tiny", "alpha", "beta", "alpha", "gamma"]  # gamma: loaded at runtime
 
 
