@@ -46,7 +46,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """TEST_REAL_MODEL_FILES (space-separated test files): real-model tests run only in those, so that one emulated
-    pytest process covers both of `make test-avx2`'s lists (each process costs half a minute to start there)."""
+    pytest process covers both of `make test-avx2`'s lists (each process costs half a minute to start there).
+
+    A `compile` test lives in tests/compile/: `make test`'s compile pass collects that folder alone (collecting every
+    folder costs it half a minute), and its other passes leave `compile` tests out, so one elsewhere would never run."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("compile") and i.path.parent.name != "compile"]
+    if stray:
+        raise pytest.UsageError(f"marked compile but outside tests/compile/: {stray}")
     files = os.environ.get("TEST_REAL_MODEL_FILES")
     if files is None:
         return
