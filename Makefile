@@ -56,7 +56,7 @@ serve: setup
 # they run after the parallel pass, one at a time, on torch's default threads. Time taken: docs/benchmarking.md.
 TEST_WORKERS ?= 2
 PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
-FAST_LANE := tests/fast -m "not full and not real_model and not server"
+FAST_LANE := tests/fast -m "not full and not real_model and not server and not alone"
 LEAN := -p no:langsmith_plugin -p no:schemathesis  # plugins only some passes use: each costs seconds to load
 test: setup chromium qemu
 	$(PARALLEL) -m "not compile and not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS picked none
