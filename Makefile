@@ -70,7 +70,7 @@ test-fast: $(VENV)/.installed
 
 # The AVX2-only path, run by `make test` too: the loading, dtype, prepack-fallback, logits and decode-loop tests
 # again on an emulated AMD EPYC Rome (AVX2, no AVX-512, no AMX), under qemu's user-mode emulator, so CPUID, torch,
-# MKL and oneDNN all see an AVX2-only CPU and an AVX-512 instruction would crash as it does on one (~4 minutes).
+# MKL and oneDNN all see an AVX2-only CPU and an AVX-512 instruction would crash as it does on one (9:14 here, emulating on a Zen 3).
 # Where qemu cannot be had (not x86-64 Linux, no apt), AVX-512 and AMX are hidden through torch's and oneDNN's
 # own variables instead, which picks the same kernels but cannot catch a stray instruction.
 # AMX cannot be emulated at all: qemu's TCG has no AMX (Debian's qemu 7.2 answers `-cpu max,+amx-tile` with "TCG
