@@ -32,7 +32,7 @@ from benchmarks import llamacpp
 from benchmarks.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
-SERVERS = ("ours", "ours-int8", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
+SERVERS = ("ours", "ours-int8", "ours-int4", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
 # Inductor does not compile bf16 prepacked linears (app/core/runner/static_step.py), so the compiled server runs unpacked;
 # everything else (prefix cache, speculation) as ours.
 COMPILED = ("DECODE_STEP=compiled", "PREPACK=false")
@@ -72,7 +72,7 @@ def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespa
                    llama_server: Path | None = None, gguf: Path | None = None) -> list[str]:
     if kind.startswith("ours"):  # ours-before: the same command, run in the --before checkout (see `run`)
         # int8 picks its own activation dtype (fp32 for the dynamic kernel on a CPU); see app/models/quant.py.
-        dtype, quant = ("auto", "int8") if kind == "ours-int8" else (args.dtype, "none")
+        dtype, quant = ("auto", kind[5:]) if kind in ("ours-int8", "ours-int4") else (args.dtype, "none")
         return [*(("env", *COMPILED) if kind == "ours-compiled" else ()), sys.executable, "-m", "app", "serve",
                 "--model", str(model_dir), "--port", str(port), "--device", args.device, "--dtype", dtype,
                 "--quant", quant, "--served-model-name", str(model_dir)]
@@ -296,14 +296,15 @@ def print_comparison(report: dict) -> None:
             print(f"{scenario:<17}{kind:<18}{rate or 0:>8.1f}{ratio:>11}"
                   f"{'-' if ttft is None else f'{ttft * 1e3:.0f} ms':>11}"
                   f"{'-' if itl is None else f'{itl * 1e3:.1f} ms':>10}{r['errors']['count']:>8}")
-    for scenario, by_server in report["results"].items():  # the int8 goals: ours-int8 against llama.cpp
-        ours, peer = by_server.get("ours-int8"), by_server.get("llama.cpp")
-        if ours and peer and ("crashed" in ours or "crashed" in peer):
-            print(f"{scenario}: ours-int8 / llama.cpp: no comparison, "
-                  f"{'llama.cpp' if 'crashed' in peer else 'ours-int8'} crashed")
-        elif ours and peer and _rate(peer) and peer["ttft_s"]["p50"]:
-            print(f"{scenario}: ours-int8 / llama.cpp: {_rate(ours) / _rate(peer):.2f}x the "
-                  f"tokens/s, {(ours['ttft_s']['p50'] or 0) / peer['ttft_s']['p50']:.2f}x the TTFT p50")
+    for scenario, by_server in report["results"].items():  # the quantized goals: ours-int8/int4 against llama.cpp
+        for kind in ("ours-int8", "ours-int4"):
+            ours, peer = by_server.get(kind), by_server.get("llama.cpp")
+            if ours and peer and ("crashed" in ours or "crashed" in peer):
+                print(f"{scenario}: {kind} / llama.cpp: no comparison, "
+                      f"{'llama.cpp' if 'crashed' in peer else kind} crashed")
+            elif ours and peer and _rate(peer) and peer["ttft_s"]["p50"]:
+                print(f"{scenario}: {kind} / llama.cpp: {_rate(ours) / _rate(peer):.2f}x the "
+                      f"tokens/s, {(ours['ttft_s']['p50'] or 0) / peer['ttft_s']['p50']:.2f}x the TTFT p50")
     # the first two scenarios: one stream, then N streams (the mixed workload, when run, comes after them)
     single, loaded = (by_server.get("ours") for by_server in list(report["results"].values())[:2])
     if _rate(single) and _rate(loaded) and single["ttft_s"]["p50"]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from benchmarks import cited_tables, goal_tables, run_tables
 from benchmarks.cells import DTYPES, markdown, ms, provenance, ratio, ttft_cell
 
-SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`",
+SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`", "ours-int4": "simple-serve, `QUANT=int4`",
                 "ours-compiled": "simple-serve, `DECODE_STEP=compiled`",
                 "llama.cpp": "llama.cpp `llama-server`", "transformers": "`transformers serve`",
                 "transformers-cb": "`transformers serve --continuous-batching`"}

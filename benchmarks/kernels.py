@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from app.config import Settings
 from app.models.cpu import cpu_features
 from app.models.loading import load_model
-from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported
+from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported, int4_weight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,22 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-sizes", default="32,128", help="int4 group sizes, comma-separated")
     parser.add_argument("--trials", type=int, default=20, help="round-robin trials per layer and row count")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
-
-
-def int4_weight(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (4-bit codes as int32 [out, in], scales_and_zeros [in / group, out, 2], the dequantized
-    weight): per group of `group` input weights, the smallest maps to code 0 and the largest to 15, as a Q4_K
-    sub-block's scale and minimum do. The kernel computes (code - 8) x scale + zero."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    groups = w.reshape(out_f, in_f // group, group)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    codes = torch.round((groups - low) / scale).clamp(0, 15)
-    dequantized = (codes * scale + low).reshape(out_f, in_f)
-    zero = low + 8 * scale
-    scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
-    return codes.to(torch.int32).reshape(out_f, in_f), scales_and_zeros, dequantized
 
 
 def formats(linear: nn.Module, groups: list[int]) -> dict[str, tuple[Callable, torch.dtype]]:

@@ -31,6 +31,7 @@ VARIANTS = {  # name -> (dtype, quant)
     "bf16": ("bfloat16", "none"),
     "int8": ("auto", "int8"),
     "int8-weight-only-bf16": ("bfloat16", "int8"),
+    "int4": ("auto", "int4"),
 }
 
 

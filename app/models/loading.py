@@ -140,7 +140,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     prepack = prepack_mode(prepack)
     torch_device = resolve_device(device)
     if quant != "none" and dtype == "auto" and dynamic_int8_supported(torch_device, torch.float32):
-        # int8 x uint8 dynamic kernels take fp32 activations (app/models/quant.py)
+        # int8 x uint8 dynamic kernels take fp32 activations (app/models/quant.py); with int4, the lm_head's does
         torch_dtype, dtype_reason = torch.float32, f"QUANT={quant}: its dynamic int8 kernels take fp32 activations"
     else:
         torch_dtype, dtype_reason = resolve_dtype(dtype, torch_device)

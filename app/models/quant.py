@@ -12,7 +12,16 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
   `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
   It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.
 
-Neither is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
+`QUANT=int4`: the decoder's linear layers read 4-bit weights, group-wise affine (group INT4_GROUP), on
+`aten._weight_int4pack_mm_for_cpu`, whose kernel follows ATen's CPU capability (AVX2, AVX-512) by itself; the
+activations go in as bf16, its fast path (fp32 ones measured 20x slower). The lm_head stays int8: torch's int4
+kernel took 28-40 ms on its 896 x 151,936 weight for one row, int8 22 ms (Zen 3). Where the kernel is missing
+(CUDA here, a torch without it) the model gets int8 instead, and the log says so. Each group's smallest and
+largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block that uses both ends (SmolLM2's
+Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The embedded Qwen's "Q4_K_M" is mostly
+Q5_0, Q6_K and Q8_0, which 4 bits round: 4-8% weight error (docs/performance.md, "int4").
+
+None is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
 top. `python -m benchmarks quality` measures both effects (perplexity on a fixed text and greedy agreement with the
 unquantized model) and docs/performance.md lists the figures.
@@ -33,7 +42,8 @@ from app.models.cpu import cpu_features, int8_engine
 
 log = logging.getLogger("app.models.quant")
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "int4")
+INT4_GROUP = 32  # a Q4_K sub-block's size; `python -m benchmarks kernels --group-sizes` measures the others
 
 
 def dynamic_int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,6 +93,56 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def int4_weight(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (4-bit codes as int32 [out, in], scales_and_zeros [in / group, out, 2], the dequantized
+    weight): per group of `group` input weights, the smallest maps to code 0 and the largest to 15, as a Q4_K
+    sub-block's scale and minimum do. The kernel computes (code - 8) x scale + zero."""
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    groups = w.reshape(out_f, in_f // group, group)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    codes = torch.round((groups - low) / scale).clamp(0, 15)
+    dequantized = (codes * scale + low).reshape(out_f, in_f)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
+    return codes.to(torch.int32).reshape(out_f, in_f), scales_and_zeros, dequantized
+
+
+def int4_kernel_missing(device: torch.device) -> str | None:
+    """Why `Int4Linear` cannot run here, or None."""
+    if device.type != "cpu":
+        return f"torch's int4 kernel for {device.type} is not wired in here"
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
+    return None
+
+
+class Int4Linear(nn.Module):
+    """Drop-in `nn.Linear` (CPU): 4-bit weights in groups of `group` inputs, packed for aten's int4 CPU kernel."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
+        codes, scales_and_zeros, _ = int4_weight(linear.weight, group)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.bias = linear.bias
+        self.weight_bytes = self.packed.numel() * self.packed.element_size() + scales_and_zeros.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in], any float dtype -> the same dtype
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group={self.group}")
 
 
 class DynamicInt8Linear(nn.Module):
@@ -155,7 +215,8 @@ def _dynamic_linear(linear: nn.Linear, engine: str) -> DynamicInt8Linear:
 
 
 def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto") -> str:
-    """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the kernel used.
+    """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
+    With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
 
     kernel: "auto" (dynamic where `dynamic_int8_supported`, else weight-only), "dynamic" or "weight_only".
     engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
@@ -165,6 +226,21 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     if mode == "none":
         return "none"
     param = next(model.parameters())
+    if mode == "int4" and (missing := int4_kernel_missing(param.device)):
+        log.warning("quant=int4: %s; every linear layer reads int8 weights instead", missing)
+        mode = "int8"
+    four_bits = 0
+    if mode == "int4":
+        head = model.get_output_embeddings()
+        with torch.no_grad():
+            for parent in list(model.modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear and child is not head and child.in_features % INT4_GROUP == 0:
+                        setattr(parent, name, Int4Linear(child))
+                        four_bits += 1
+        log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
+                 "capability %s, bf16 activations); the lm_head and any other layer read int8", four_bits,
+                 INT4_GROUP, torch.backends.cpu.get_cpu_capability())
     if kernel == "auto":
         kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
     why = "weight-only"
@@ -183,7 +259,8 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
                 if type(child) is nn.Linear:
                     setattr(parent, name, make(child))
                     count += 1
-    log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
+    if count or not four_bits:
+        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
     return kernel
 
 
