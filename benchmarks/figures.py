@@ -22,6 +22,7 @@ VARIANT_NAMES = {
     "int8": "`QUANT=int8`, dynamic (fp32 activations, per-row scales)",
     "int8-one-scale-per-call": "`QUANT=int8`, one activation scale per call (before the per-row fix)",
     "int8-weight-only-bf16": "`QUANT=int8` with `DTYPE=bfloat16`: weight-only int8, bf16 activations",
+    "int4": "`QUANT=int4`: 4 bits in groups of 32 (bf16 activations), lm_head int8",
 }
 SHORTCUT_ROWS = {  # bench shortcuts' scenario -> (what the row measures, its goal)
     "code edit, greedy": ("speculation: decode tokens/s, a code edit that copies most of its prompt, greedy",
