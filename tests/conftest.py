@@ -7,7 +7,6 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,6 @@ from app.models.fetch import fetch_model
 from app.models.loading import LoadedModel, load_model
 
 MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
-FOLDER_ORDER = {name: rank for rank, name in enumerate(["real", "server", "tooling", "browser", "compile", "gpu"])}
 CORPUS = [
     "The capital of France is Paris. Paris is a city on the Seine.",
     "def reverse(s):\n    return s[::-1]\n\nprint(reverse('hello world'))",
@@ -55,11 +53,6 @@ def pytest_collection_modifyitems(config, items):
     stray = [i.nodeid for i in items if i.get_closest_marker("compile") and i.path.parent.name != "compile"]
     if stray:
         raise pytest.UsageError(f"marked compile but outside tests/compile/: {stray}")
-    # The slowest folders first, then files by their number of tests, so that the parallel pass's two workers
-    # finish together: xdist hands out whole files in this order (`--no-loadscope-reorder`), and real-model and
-    # server files left for the end made a lone worker's tail. A stable sort keeps each file's own order.
-    per_file = Counter(i.path for i in items)
-    items.sort(key=lambda i: (FOLDER_ORDER.get(i.path.parent.name, len(FOLDER_ORDER)), -per_file[i.path]))
     files = os.environ.get("TEST_REAL_MODEL_FILES")
     if files is None:
         return
