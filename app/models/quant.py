@@ -33,7 +33,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -232,12 +232,8 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     four_bits = 0
     if mode == "int4":
         head = model.get_output_embeddings()
-        with torch.no_grad():
-            for parent in list(model.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear and child is not head and child.in_features % INT4_GROUP == 0:
-                        setattr(parent, name, Int4Linear(child))
-                        four_bits += 1
+        four_bits = _swap_linears(model, Int4Linear, lambda linear: linear is not head
+                                  and linear.in_features % INT4_GROUP == 0)
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
                  "capability %s, bf16 activations); the lm_head and any other layer read int8", four_bits,
                  INT4_GROUP, torch.backends.cpu.get_cpu_capability())
@@ -252,16 +248,22 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     else:
         make = WeightOnlyInt8Linear
     _untie_lm_head(model)
+    count = _swap_linears(model, make, lambda linear: True)  # every plain nn.Linear int4 left
+    if count or not four_bits:
+        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
+    return kernel
+
+
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], wanted: Callable[[nn.Linear], bool]) -> int:
+    """Replace each plain `nn.Linear` that `wanted` accepts with `make(linear)`, in place; returns how many."""
     count = 0
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
+                if type(child) is nn.Linear and wanted(child):
                     setattr(parent, name, make(child))
                     count += 1
-    if count or not four_bits:
-        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
-    return kernel
+    return count
 
 
 def _untie_lm_head(model: nn.Module) -> None:
