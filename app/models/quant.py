@@ -17,9 +17,9 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
 activations go in as bf16, its fast path (fp32 ones measured 20x slower). The lm_head stays int8: torch's int4
 kernel took 9.7 ms on its 151,936 x 896 weight for one row, dynamic int8 6.1 ms (Zen 3, docs/performance.md).
 Where the kernel is missing (CUDA here, a torch without it) the model gets int8 instead, and the log says so.
-Each group's smallest and largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block that uses both ends (SmolLM2's
-Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The embedded Qwen's "Q4_K_M" is mostly
-Q5_0, Q6_K and Q8_0, which 4 bits round: 4-8% weight error (docs/performance.md, "int4").
+Each group's smallest and largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block
+that uses both ends (SmolLM2's Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The
+embedded Qwen's "Q4_K_M" is mostly Q5_0, Q6_K and Q8_0, which 4 bits round: 4-8% weight error (docs/performance.md).
 
 None is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
