@@ -93,6 +93,24 @@ def test_a_packed_kernel_that_is_off_leaves_the_model_plain_and_working(tiny_dir
     assert forward(lm.model, [(s, s.prompt_len) for s in seqs]).abs().sum() > 0  # not the broken kernel
 
 
+def test_each_shape_is_checked_once_and_a_kernel_off_for_a_later_shape_is_still_caught(monkeypatch):
+    checked = []
+    real_check = batch_rows._check_close
+    monkeypatch.setattr(batch_rows, "_check_close",
+                        lambda plain, layer: (checked.append(plain), real_check(plain, layer)))
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 6), nn.Linear(8, 4, bias=False))
+    assert use_batch_rows(model, packed=True) == 4
+    assert [(m.out_features, m.in_features, m.bias is not None) for m in checked] == [(4, 8, True), (6, 4, True),
+                                                                                      (4, 8, False)]
+    real_packed = batch_rows.packed_linear
+    monkeypatch.setattr(batch_rows, "packed_linear",  # off for the 6 x 4 shape only, the second one met
+                        lambda x, w, b: real_packed(x, w, b) * (1.5 if b is not None and b.numel() == 6 else 1))
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 6))
+    with pytest.raises(RuntimeError, match=r"oneDNN's packed fp32 linear \(6 x 4\) gave different results"):
+        use_batch_rows(model, packed=True)
+    assert all(type(m) is nn.Linear for m in model)  # nothing was swapped
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("prepack", ["auto", "false"])
 def test_engine_passes_give_the_article_loops_greedy_tokens(tiny_dir, prepack):
