@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             settings = settings_from(args)  # a bad flag is refused before the server's imports
-            from app.main import run_server, run_tensor_parallel_follower
+            from app.server import run_server, run_tensor_parallel_follower
 
             if settings.tensor_parallel > 1 and launched_rank(settings.tensor_parallel) > 0:
                 return run_tensor_parallel_follower(settings)  # rank 0 serves; the others run its passes

@@ -370,7 +370,8 @@ class GracefulThreadServer:
         import uvicorn
 
         from app.config import Settings
-        from app.main import GracefulServer, create_app
+        from app.main import create_app
+        from app.server import GracefulServer
         from tests.conftest import free_port, wait_until_ready
 
         app = create_app(Settings(model="tiny", **settings), lm=tiny_lm)
