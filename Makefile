@@ -49,7 +49,8 @@ serve: setup
 # torch.compile's state (dynamo's caches, counters, recompile limits) is process-wide, so the tests that compile
 # (tests/compile/, marker `compile`) run in a process of their own, after the rest: neither side can leave state to
 # the other. (Run beside the parallel pass instead, it slowed that pass from 13:36 to 16:43 here and took 6:39
-# itself: the two workers keep both cores busy.)
+# itself: the two workers keep both cores busy. Beside it under `nice -n 19`, it still slowed that pass from 13:57
+# to 17:09, and had not finished one test when the pass ended.)
 # Both lanes run on TEST_WORKERS pytest-xdist worker processes, a file per worker (a module's server starts once),
 # each on one torch thread: most of the suite waits on one Python thread (imports, server starts, HTTP), so on two
 # cores one pytest process left the second core mostly idle, and two torch threads per worker only spin against the
