@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.models.linears import plain_linears
+
 # Above this many rows (prefill chunks are 128 on a CPU) the packed copy no longer measured faster; see the table.
 PACKED_MAX_ROWS = 64
 
@@ -112,15 +114,14 @@ def use_batch_rows(model: nn.Module, packed: bool) -> int:
     oneDNN picks its kernel by shape, so one layer of each shape is checked: checking all 169 of the default
     model's took 3 of the 12 s of its fp32 load on one thread here."""
     swaps, checked = [], set()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _fp32_cpu_linear(child) and (packed or child.out_features > child.in_features):
-                layer = BatchRowsLinear(child, packed)
-                shape = (child.out_features, child.in_features, child.bias is not None)
-                if packed and shape not in checked:
-                    _check_close(child, layer)
-                    checked.add(shape)
-                swaps.append((parent, name, layer))
+    for parent, name, child in plain_linears(model):
+        if _fp32_cpu_linear(child) and (packed or child.out_features > child.in_features):
+            layer = BatchRowsLinear(child, packed)
+            shape = (child.out_features, child.in_features, child.bias is not None)
+            if packed and shape not in checked:
+                _check_close(child, layer)
+                checked.add(shape)
+            swaps.append((parent, name, layer))
     for parent, name, layer in swaps:
         setattr(parent, name, layer)
     return len(swaps)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from app.models.cpu import cpu_features, prepack_support
+from app.models.linears import plain_linears
 
 log = logging.getLogger("app.models.prepack")
 
@@ -141,10 +142,8 @@ def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | No
     """(parent, name, linear) for each plain `nn.Linear`; linear is None where it shares the input embedding's
     weight."""
     embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:  # subclasses (quantized layers and the like) keep their own forward
-                yield parent, name, None if child.weight.data_ptr() in embedded else child
+    for parent, name, child in plain_linears(model):
+        yield parent, name, None if child.weight.data_ptr() in embedded else child
 
 
 # A decode row and a prefill chunk (the engine's CPU chunk is 128 tokens); lm_head sees only the rows that sample.

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from app.models.cpu import cpu_features, int8_engine
+from app.models.linears import plain_linears
 
 log = logging.getLogger("app.models.quant")
 
@@ -258,11 +259,10 @@ def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], want
     """Replace each plain `nn.Linear` that `wanted` accepts with `make(linear)`, in place; returns how many."""
     count = 0
     with torch.no_grad():
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and wanted(child):
-                    setattr(parent, name, make(child))
-                    count += 1
+        for parent, name, child in plain_linears(model):
+            if wanted(child):
+                setattr(parent, name, make(child))
+                count += 1
     return count
 
 
