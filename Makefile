@@ -56,11 +56,11 @@ serve: setup
 # cores one pytest process left the second core mostly idle, and two torch threads per worker only spin against the
 # other worker. The tests marked `alone` assert a latency under their own load (a /health p99, a first token's wait):
 # they run after the parallel pass, one at a time, on torch's default threads. Time taken: docs/benchmarking.md.
-# xdist hands out files by their count of tests, which leaves the few-test, minutes-long real-model files for the
-# end. Handing out the slowest folders first instead measured no faster here (940 against 930 s for the parallel
-# pass, one run each), so the default order stays.
+# xdist would hand out files by their count of tests, which leaves the few-test, minutes-long real-model and server
+# files for the end, where one worker runs them while the other has nothing left; tests/conftest.py orders those
+# first instead (HeavyFilesFirst), and --no-loadscope-reorder keeps that order.
 TEST_WORKERS ?= 2
-PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 FAST_LANE := tests/fast -m "not full and not real_model and not server and not alone"
 LEAN := -p no:langsmith_plugin -p no:schemathesis  # plugins only some passes use: each costs seconds to load
 # The files that mark a test `alone`: the alone pass collects these only (17 s against 33 s for every folder here).

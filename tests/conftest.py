@@ -33,8 +33,10 @@ CHAT_TEMPLATE = (
 
 
 def pytest_configure(config):
-    """`make test-avx2` runs this suite under qemu with an AVX2-only CPU model and says so through
-    TEST_EXPECT_AVX2_ONLY: a broken emulator that let torch see AVX-512 would pass the pass without testing it."""
+    """The order files are handed out in (HeavyFilesFirst). `make test-avx2` runs this suite under qemu with an
+    AVX2-only CPU model and says so through TEST_EXPECT_AVX2_ONLY: a broken emulator that let torch see AVX-512
+    would pass the pass without testing it."""
+    config.pluginmanager.register(HeavyFilesFirst())
     if os.environ.get("TEST_EXPECT_AVX2_ONLY"):
         from app.models.cpu import cpu_features
 
@@ -61,6 +63,29 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
+
+
+class HeavyFilesFirst:
+    """The parallel pass (`--dist loadfile --no-loadscope-reorder`) hands out files in the order collected here: the
+    files that load a real model first, then those that start a server or a browser, then the rest by their count
+    of tests, most first (xdist's own order). A worker takes a file when it is nearly done with its last, so a
+    minutes-long file handed out last kept one worker busy while the other sat idle (71 s at the end of one pass
+    here); with the long files first, the last ones handed out take seconds. Marks are read after `-m` has
+    deselected, so a lane that leaves a file's real-model test out does not count it."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        by_file: dict[Path, list] = {}
+        for item in items:
+            by_file.setdefault(item.path, []).append(item)
+
+        def weight(path: Path) -> tuple[int, int]:
+            file_items = by_file[path]
+            marks = {m.name for item in file_items for m in item.iter_markers()}
+            rank = 0 if "real_model" in marks else 1 if marks & {"server", "browser"} else 2
+            return rank, -len(file_items)
+
+        items[:] = [item for path in sorted(by_file, key=weight) for item in by_file[path]]
 
 
 def build_tiny_tokenizer(vocab_size: int = 400):
