@@ -34,3 +34,6 @@ def test_sigterm_exits_cleanly_without_a_traceback(tiny_dir, tmp_path, signals):
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text, text
     assert "Waiting for application shutdown" in text and "Application shutdown complete" in text
+    # nothing after the last line: native bindings (triton's) reported objects that the frozen heap kept from the
+    # interpreter's last collections as leaked, about 30 lines of them
+    assert text.rstrip().splitlines()[-1].startswith("INFO:     Finished server process"), text[-3000:]
