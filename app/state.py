@@ -79,7 +79,6 @@ class ServerState:
         self.probe = GenerateProbe(settings.health_generate_timeout_s)  # /health/generate (app/probes.py)
         self.probe_prompt: list[int] = []
         self.tracing = tracing_from_env()  # None unless OTEL_EXPORTER_OTLP_ENDPOINT is set (app/tracing.py)
-        self.froze_heap = False
 
     async def load(self) -> None:
         s = self.settings
@@ -96,7 +95,6 @@ class ServerState:
                 await self._load_chat(loader)
             if owns_process:
                 freeze_heap()  # on the loop or off it, it holds the GIL: /health waits, once, before /ready
-                self.froze_heap = True
         except Exception as err:  # noqa: BLE001 - reported through /ready and the process exit code
             self.load_error = f"{type(err).__name__}: {err}"
             log.error("model failed to load: %s", self.load_error)
@@ -190,8 +188,7 @@ class ServerState:
             self.lm.ranks.close()  # the other ranks exit with us
         if self.tracing is not None:
             self.tracing.close()  # sends what is still batched, within the exporter's timeout
-        if self.froze_heap:
-            # Handed back to the collector for the interpreter's last collections at exit: what stays frozen is
-            # never freed, and native bindings report it (triton's nanobind printed ~30 lines of leaked
-            # instances and types after every `serve` stopped).
-            gc.unfreeze()
+        # What load() froze goes back to the collector for the interpreter's last collections at exit: what stays
+        # frozen is never freed, and native bindings report it (triton's nanobind printed ~30 lines of leaked
+        # instances and types after every `serve` stopped). Nothing frozen (a test's model): a no-op.
+        gc.unfreeze()
