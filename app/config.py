@@ -54,8 +54,9 @@ class Settings(BaseSettings):
                                  "linears' size again in RAM); auto: where it can, true: fail at start where it cannot")
     quant: Literal["none", "int8", "int4"] = Field("none", description="int8: every linear reads int8 weights "
                                                    "(faster, not exact; quality measured by `bench quality`); int4: "
-                                                   "the decoder's linears read 4 bits in groups of 32, the lm_head "
-                                                   "int8 (half int8's memory; its speed depends on the CPU)")
+                                                   "the decoder's linears read 4 bits in groups of 32 (on a CPU with "
+                                                   "native bf16, calls of over 4 rows read a bf16 copy of them), "
+                                                   "the lm_head int8")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
                                 "keys, comma-separated, are several tenants")
     prefix_cache_per_key: bool = Field(True, description="each API key reuses only prefix-cache entries made under "

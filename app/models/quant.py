@@ -14,8 +14,13 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
 
 `QUANT=int4`: the decoder's linear layers read 4-bit weights, group-wise affine (group INT4_GROUP), on
 `aten._weight_int4pack_mm_for_cpu`, whose kernel follows ATen's CPU capability (AVX2, AVX-512) by itself; the
-activations go in as bf16, its fast path (fp32 ones measured 20x slower). The lm_head stays int8: torch's int4
-kernel took 9.7 ms on its 151,936 x 896 weight for one row, dynamic int8 6.1 ms (Zen 3, docs/performance.md).
+activations go in as bf16, its fast path (fp32 ones measured 20x slower). That kernel reads the weights again for
+every row, so where the CPU multiplies bf16 natively (AVX512_BF16, AMX) only calls of up to Int4Linear.DECODE_ROWS
+rows use it, and wider calls (prefill chunks, many streams) multiply a bf16 copy of the same 4-bit weights,
+prepacked for oneDNN: on an AMX Xeon that took the first token from 508 to 159 ms and 8 streams from 54 to 95 tok/s
+(docs/performance.md). A dynamic int8 copy was about as fast, but took perplexity further from fp32 than int8 itself
+(8-bit activations on 4-bit weights). The lm_head stays int8: torch's int4 kernel took 9.7 ms on its 151,936 x 896
+weight for one row, dynamic int8 6.1 ms (Zen 3).
 Where the kernel is missing (CUDA here, a torch without it) the model gets int8 instead, and the log says so.
 Each group's smallest and largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block
 that uses both ends (SmolLM2's Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The
@@ -37,6 +42,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
@@ -122,20 +128,46 @@ def int4_kernel_missing(device: torch.device) -> str | None:
 
 
 class Int4Linear(nn.Module):
-    """Drop-in `nn.Linear` (CPU): 4-bit weights in groups of `group` inputs, packed for aten's int4 CPU kernel."""
+    """Drop-in `nn.Linear` (CPU): 4-bit weights in groups of `group` inputs, packed for aten's int4 CPU kernel.
 
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+    That kernel reads the weights again for every row: its time grows with the rows (AMX Xeon, one 4864 x 896
+    layer: 0.11 ms at 1 row, 0.41 at 8, 6.3 at 128, where bf16 took 0.32, 0.35 and 0.66). So with `wide_bf16`,
+    calls of more than DECODE_ROWS rows (prefill chunks, decode steps of many streams) multiply `wide`: the same
+    4-bit weights, dequantized once to bf16 (and prepacked for oneDNN where it can), on the CPU's native bf16 matmul.
+    Both paths compute bf16 activations times the same weights. The copy costs 2 bytes a weight of memory; a decode
+    step of a few streams never reads it.
+    """
+
+    # At most this many rows go to the int4 kernel. On the AMX Xeon a lone layer ran faster on the prepacked copy from
+    # 8 rows on; served, 8 streams: 95.0 tok/s with 4 here against 90.3 with 8 (docs/performance.md).
+    DECODE_ROWS = 4
+    wide_packed = False
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, wide_bf16: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         codes, scales_and_zeros, _ = int4_weight(linear.weight, group)
+        scales_and_zeros = scales_and_zeros.to(torch.bfloat16)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = linear.bias
         self.weight_bytes = self.packed.numel() * self.packed.element_size() + scales_and_zeros.numel() * 2
+        # Not a parameter or buffer: app/models/prepack.py decode_bytes_per_step leaves it out, as a step does.
+        self.wide: torch.Tensor | None = None
+        if wide_bf16:  # what the kernel computes, (code - 8) x scale + zero, with its bf16 scales and zeros
+            scale, zero = scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, dim=1).unbind(-1)
+            self.wide = ((codes - 8) * scale + zero).to(torch.bfloat16)
+            if cpu_features().bf16_reorder:  # oneDNN's blocked layout, as PREPACK does: 1.1-2.3x at 8-128 rows here
+                with contextlib.suppress(RuntimeError):  # oneDNN refused: the copy stays plain (app/models/prepack.py)
+                    self.wide, self.wide_packed = torch.ops.mkldnn._reorder_linear_weight(self.wide, 1), True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in], any float dtype -> the same dtype
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        if self.wide is not None and rows.shape[0] > self.DECODE_ROWS:
+            out = (torch.ops.mkldnn._linear_pointwise(rows, self.wide, None, "none", [], "") if self.wide_packed
+                   else F.linear(rows, self.wide))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -143,7 +175,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group={self.group}")
+                f"group={self.group}, wide={'bf16' if self.wide is not None else 'off'}")
 
 
 class DynamicInt8Linear(nn.Module):
@@ -232,12 +264,14 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
         mode = "int8"
     four_bits = 0
     if mode == "int4":
-        head = model.get_output_embeddings()
-        four_bits = _swap_linears(model, Int4Linear, lambda linear: linear is not head
-                                  and linear.in_features % INT4_GROUP == 0)
+        head, bf16 = model.get_output_embeddings(), cpu_features().native_bf16
+        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=bf16 is not None),
+                                  lambda linear: linear is not head and linear.in_features % INT4_GROUP == 0)
+        wider = (f"calls of more than {Int4Linear.DECODE_ROWS} rows on a bf16 copy of the same weights ({bf16})"
+                 if bf16 else "every call on it: no native bf16 matmul here for a copy")
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
-                 "capability %s, bf16 activations); the lm_head and any other layer read int8", four_bits,
-                 INT4_GROUP, torch.backends.cpu.get_cpu_capability())
+                 "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
+                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(), wider)
     if kernel == "auto":
         kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
     why = "weight-only"

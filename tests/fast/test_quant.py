@@ -231,6 +231,43 @@ def test_int4_on_a_q4k_grid_keeps_its_codes():
 
 
 @INT4
+def test_int4_wide_calls_multiply_the_same_4_bit_weights_in_bf16():
+    """A call of more than DECODE_ROWS rows (a prefill chunk) multiplies a bf16 copy of the dequantized 4-bit
+    weights instead of running the int4 kernel: each row's result is the one the kernel gives that row, up to the
+    order in which bf16 products are summed."""
+    torch.manual_seed(0)
+    linear = nn.Linear(4 * INT4_GROUP, 48, bias=True)
+    both, kernel_only = Int4Linear(linear, wide_bf16=True), Int4Linear(linear)
+    assert kernel_only.wide is None and both.wide.dtype == torch.bfloat16
+    x = torch.randn(3 * Int4Linear.DECODE_ROWS, 4 * INT4_GROUP)
+    with torch.inference_mode():
+        wide = both(x)
+        one_row_at_a_time = torch.cat([both(row[None]) for row in x])  # each a decode call: the int4 kernel
+        assert torch.equal(one_row_at_a_time, torch.cat([kernel_only(row[None]) for row in x]))
+        assert relative_error(wide, one_row_at_a_time) < 0.01
+        assert relative_error(wide, linear(x)) > 10 * relative_error(wide, one_row_at_a_time)  # the 4-bit layer
+
+
+@pytest.mark.parametrize("cpu_class", ["SAPPHIRE_RAPIDS", "ZEN3"])
+@INT4
+def test_int4_wide_calls_on_bf16_only_where_the_cpu_multiplies_bf16_natively(plain, monkeypatch, caplog, cpu_class):
+    import cpu_flags
+    from app.models import quant
+    from app.models.cpu import features_from_cpuinfo
+
+    features = features_from_cpuinfo(getattr(cpu_flags, f"{cpu_class}_FLAGS"))
+    monkeypatch.setattr(quant, "cpu_features", lambda: features)
+    quantized = copy.deepcopy(plain)
+    with caplog.at_level("INFO", logger="app.models.quant"):
+        quantize_linears(quantized, "int4")
+    wide = {m.wide is not None for m in quantized.modules() if isinstance(m, Int4Linear)}
+    if cpu_class == "SAPPHIRE_RAPIDS":  # AVX512_BF16 and AMX-BF16
+        assert wide == {True} and "rows on a bf16 copy of the same weights (AVX512_BF16 and AMX-BF16)" in caplog.text
+    else:
+        assert wide == {False} and "every call on it: no native bf16 matmul here for a copy" in caplog.text
+
+
+@INT4
 def test_int4_holds_fewer_bytes_than_int8(plain):
     int8, int4 = copy.deepcopy(plain), copy.deepcopy(plain)
     quantize_linears(int8, "int8", "weight_only")
