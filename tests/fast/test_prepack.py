@@ -114,13 +114,15 @@ def fake_timings(model, speedup_of):
 
 
 @needs_prepack
-def test_auto_packs_only_the_shapes_where_packed_measured_faster(tiny_dir, monkeypatch):
-    """As on an AMX Xeon, where plain bf16 matmuls already run on AMX and packing made the model slower."""
+def test_auto_packs_only_the_shapes_where_packed_measured_faster(tiny_dir, monkeypatch, tmp_path):
+    """As on an AMX Xeon, where plain bf16 matmuls already run on AMX and packing made the model slower. Each load
+    keeps its choice in a model cache of its own: a choice kept by an earlier load (another test's, in the shared
+    cache, on a CPU where prepacking runs) would be used instead of measuring."""
     import app.models.loading as loading
 
     slower_when_wide = lambda n_in, n_out: 0.8 if n_out > n_in else 1.5  # noqa: E731
     monkeypatch.setattr(loading, "measure_packing", lambda model: fake_timings(model, slower_when_wide))
-    lm = load_model(str(tiny_dir), "cpu", "bfloat16")
+    lm = load_model(str(tiny_dir), "cpu", "bfloat16", cache_dir=tmp_path / "first")
     for m in lm.model.modules():
         if isinstance(m, (nn.Linear, PackedLinear)):
             assert isinstance(m, PackedLinear) == (m.out_features <= m.in_features), m
@@ -129,7 +131,7 @@ def test_auto_packs_only_the_shapes_where_packed_measured_faster(tiny_dir, monke
     assert "0.80x" in lm.prepack and "1.50x" in lm.prepack and "ms at 128" in lm.prepack  # the figures, in /ready
 
     monkeypatch.setattr(loading, "measure_packing", lambda model: fake_timings(model, lambda *_: 1.02))  # a tie
-    tie = load_model(str(tiny_dir), "cpu", "bfloat16")
+    tie = load_model(str(tiny_dir), "cpu", "bfloat16", cache_dir=tmp_path / "second")
     assert linears(tie.model) == (15, 0) and tie.prepack.startswith("off: plain measured faster on every shape (")
 
     def never(model):
