@@ -37,7 +37,7 @@ def wait_done(client: openai.OpenAI, batch_id: str, timeout: float = 60) -> open
 def test_the_sdk_runs_a_batch_and_each_line_equals_the_routes_own_answer(make_tiny_server, tmp_path):
     server = make_tiny_server(batch_dir=tmp_path / "batches")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    lines = [chat_line(i) for i in range(12)] + [chat_line(99, max_tokens=-1)]  # the last one: a 400 from the route
+    lines = [chat_line(i) for i in range(200)] + [chat_line(999, max_tokens=-1)]  # the last one: a 400 from the route
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
@@ -45,13 +45,13 @@ def test_the_sdk_runs_a_batch_and_each_line_equals_the_routes_own_answer(make_ti
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "test"}
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (13, 12, 1)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (201, 200, 1)
     output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
     errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
-    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(12)]
-    assert errors[0]["custom_id"] == "req-99" and errors[0]["response"]["status_code"] == 400
+    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(200)]
+    assert errors[0]["custom_id"] == "req-999" and errors[0]["response"]["status_code"] == 400
     assert errors[0]["response"]["body"]["error"]["param"] == "max_tokens"
-    for line, out in zip(lines, output):
+    for line, out in list(zip(lines, output))[::20]:  # every 20th line asked again of the route itself
         direct = httpx.post(f"{server.url}/v1/chat/completions", json=line["body"], timeout=30).json()
         assert out["response"]["status_code"] == 200
         assert out["response"]["body"]["choices"] == direct["choices"]
@@ -145,3 +145,50 @@ def test_an_unwritable_batch_dir_is_refused_at_start_naming_it(tiny_lm, tmp_path
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match="BATCH_DIR"):
         create_app(Settings(model="tiny", batch_dir=blocker / "batches"), lm=tiny_lm)
+
+
+def test_the_sdk_runs_an_embedding_batch_equal_to_the_routes_answers(tmp_path):
+    from embedding_models import build_tiny_bert_dir
+
+    from app.config import Settings
+    from app.main import create_app
+    from app.models.loading import load_model
+    from conftest import ThreadServer
+
+    path = build_tiny_bert_dir(tmp_path / "bert")
+    with ThreadServer(create_app(Settings(model=str(path), batch_dir=tmp_path / "batches"),
+                                 lm=load_model(str(path), device="cpu"))) as server:
+        model = server.state.settings.model_id
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": model, "input": f"sentence number {i} about Paris"}} for i in range(100)]
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="endpoint"):  # an embedding model serves no chat
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        batch = wait_done(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                        completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == 100
+        output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        for line, out in list(zip(lines, output))[::10]:
+            direct = httpx.post(f"{server.url}/v1/embeddings", json=line["body"], timeout=30).json()
+            assert out["custom_id"] == line["custom_id"]
+            assert out["response"]["body"]["data"] == direct["data"]
+
+
+def test_a_file_over_batch_max_file_bytes_is_a_413_naming_the_limit(make_tiny_server, tmp_path):
+    server = make_tiny_server(batch_dir=tmp_path / "batches", batch_max_file_bytes=4096)
+    r = httpx.post(f"{server.url}/v1/files", files={"file": ("in.jsonl", jsonl([chat_line(i) for i in range(50)]))},
+                   data={"purpose": "batch"})
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+
+def test_files_list_retrieve_and_delete(make_tiny_server, tmp_path):
+    server = make_tiny_server(batch_dir=tmp_path / "batches")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(1)]))), purpose="batch")
+    assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
+    assert [f.id for f in client.files.list(purpose="batch").data] == [uploaded.id]
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
