@@ -48,6 +48,7 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self._loop = asyncio.get_running_loop()  # made on the server's loop, where its batches run
         self._tasks: dict[str, asyncio.Task] = {}
+        self._tidy: asyncio.Task | None = None
 
     def resume_all(self) -> None:
         """At start: every batch a previous process left unfinished runs on from where it stopped."""
@@ -65,8 +66,18 @@ class BatchRunner:
             self._tasks[batch_id] = task
             task.add_done_callback(lambda _: self._tasks.pop(batch_id, None))
 
+    def tidy(self, retention_s: float, every_s: float = 3600) -> None:
+        """Retention: files and finished batches older than `retention_s` are deleted now and every `every_s`."""
+        async def loop() -> None:
+            while True:
+                await asyncio.to_thread(self.store.forget_before, int(time.time() - retention_s))
+                await asyncio.sleep(every_s)
+        self._tidy = asyncio.create_task(loop())
+
     async def stop(self) -> None:
         """At shutdown: lines in flight are abandoned (no row: the next start runs them again)."""
+        if self._tidy is not None:
+            self._tidy.cancel()
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -179,14 +179,13 @@ def page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 
 def open_batch_service(app, state) -> BatchService:
     """The service over the store that create_app opened, once the model is loaded: its runner resumes every batch
-    a previous process left unfinished, and drops what is past BATCH_RETENTION_S."""
+    a previous process left unfinished, and drops what is past BATCH_RETENTION_S (now, then hourly)."""
     from functools import partial
 
     from app.batch.dispatch import call_route
 
     s = state.settings
     store: Store = state.batch_store
-    store.forget_before(int(time.time() - s.batch_retention_s))
     endpoints = state.embedding.endpoints if state.kind == "embedding" else ["/v1/chat/completions",
                                                                              "/v1/completions", "/v1/responses"]
     metrics = state.metrics
@@ -196,5 +195,6 @@ def open_batch_service(app, state) -> BatchService:
     service = BatchService(store, runner, s, state.api_keys, endpoints)
     runner.tenant_of = service.tenant
     metrics.batches_in_progress.set_function(lambda: store.count_in_progress())
+    runner.tidy(s.batch_retention_s)
     runner.resume_all()
     return service
