@@ -7,7 +7,7 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium qemu serve test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
+.PHONY: setup models chromium qemu serve batch test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
 
 setup: $(VENV)/.installed models
 
@@ -38,6 +38,10 @@ chromium:
 
 serve: setup
 	$(PY) -m app serve --host $(HOST) --port $(PORT) --model $(MODEL)
+
+# A Batches API input file run offline (docs/batch.md): make batch INPUT=in.jsonl OUTPUT=out.jsonl [RESUME=1]
+batch: setup
+	$(PY) -m app batch $(INPUT) -o $(OUTPUT) --model $(MODEL) $(if $(RESUME),--resume)
 
 # Two lanes, one folder each in tests/ (tests/README.md):
 #   make test-fast: tests/fast/, the tiny in-test model and no model at all: no downloads, no apt, no server

@@ -1,4 +1,5 @@
-"""`python -m app serve | generate | fetch-model`: the server, the decode loop on a terminal, and the model fetch.
+"""`python -m app serve | generate | batch | fetch-model`: the server, the decode loop on a terminal, a batch file
+run offline, and the model fetch.
 
 The benchmarks and the docs' figures are the repository's tools, not the package's: `python -m benchmarks`.
 """
@@ -7,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from app.config import Settings
 from app.errors import ServeError
 from app.flags import add_settings_flags, settings_from
 from app.models.distributed import launched_rank
+
+# the settings `python -m app batch` takes as flags (env vars set the rest, as for `serve`)
+BATCH_FLAGS = ("model", "served_model_name", "device", "dtype", "prepack", "quant", "max_active", "max_model_len", "default_max_tokens",
+               "batch_max_lines")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="print each step's top K candidates with their probability at every stage: raw, "
                           "penalties, temperature, top_k, top_p, min_p (default 5)")
 
+    batch = commands.add_parser("batch", help="run a Batches API input file offline, with a progress bar")
+    batch.add_argument("input", type=Path, metavar="INPUT.jsonl", help="one request a line: custom_id, method, "
+                       "url, body (OpenAI's batch input format)")
+    batch.add_argument("-o", "--output", type=Path, required=True, metavar="OUTPUT.jsonl",
+                       help="the answers, one line per request, in the Batches API's output format")
+    batch.add_argument("--resume", action="store_true", help="continue OUTPUT: skip the custom_ids already in it")
+    add_settings_flags(batch, BATCH_FLAGS)
+
     fetch = commands.add_parser("fetch-model", help="download and convert an embedded model")
     fetch.add_argument("names", nargs="*", help="embedded model names (default: $MODEL or the default model)")
 
@@ -56,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.cli import run_generate
 
             return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack", "quant")))
+        if args.command == "batch":
+            from app.batch.cli import run_batch
+
+            return run_batch(args.input, args.output, args.resume, settings_from(args, keys=BATCH_FLAGS))
         if args.command == "fetch-model":
             from app.models.fetch import fetch_model
 

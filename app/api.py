@@ -57,13 +57,18 @@ State = Annotated[ServerState, Depends(get_state)]
 def require_api_key(request: Request, state: State) -> None:
     if not state.api_keys:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    bearer = token.strip() if scheme.lower() == "bearer" else ""
-    # compared in constant time (app/auth.py); `x-api-key` is Anthropic's header
-    tenant = state.api_keys.tenant(bearer, request.headers.get("x-api-key", "").strip())
+    # A batch line run in-process (app/batch/dispatch.py) runs as the key that created its batch. Only an
+    # in-process caller can put this in the ASGI scope: uvicorn builds a network request's scope afresh.
+    tenant = getattr(request.state, "batch_tenant", None) or None
+    if tenant is None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        # compared in constant time (app/auth.py); `x-api-key` is Anthropic's header
+        tenant = state.api_keys.tenant(bearer, request.headers.get("x-api-key", "").strip())
     if tenant is None:
         raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+    request.state.api_tenant = tenant  # who owns what a request creates (files and batches: app/batch/)
     if state.settings.prefix_cache_per_key:
         request.state.cache_tenant = tenant  # the serving layer salts the prefix cache with it
 

@@ -31,6 +31,10 @@ class ApiKeys:
     def _digest(self, key: str) -> str:
         return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
 
+    def digest(self, key: str) -> str:
+        """The tenant id of one configured key (app/batch/service.py maps it to a batch owner)."""
+        return self._digest(key)
+
     def tenant(self, *presented: str) -> str | None:
         """The tenant id of the first presented key that is one of ours, else None. Every pair is compared, with
         no early exit, so the time taken does not say which key matched or how much of one."""

@@ -146,6 +146,20 @@ class Settings(BaseSettings):
     health_generate_timeout_s: float = Field(10.0, gt=0, description="/health/generate answers 503 when the "
                                              "engine has had work but completed no step for this long, or when "
                                              "idle, cannot generate one token within it")
+    batch_dir: Path | None = Field(None, description="where OpenAI's Files and Batches API keeps its SQLite "
+                                   "database and file bodies (one server per directory); unset: /v1/files and "
+                                   "/v1/batches answer 404 (docs/batch.md)")
+    batch_max_file_bytes: int = Field(100 * 2**20, ge=1024, description="largest file POST /v1/files accepts "
+                                      "(413 past it); suffixes as KV_CACHE_BYTES")
+    batch_max_lines: int = Field(50_000, ge=1, description="requests in one batch input file (400 past it)")
+    batch_max_in_progress: int = Field(8, ge=1, description="batches one API key may have unfinished at once "
+                                       "(429 past it)")
+    batch_retention_s: float = Field(30 * 86400, gt=0, description="files and finished batches are deleted this "
+                                     "long after they were created (checked at start and hourly)")
+    batch_concurrency: int = Field(2, ge=1, description="batch lines running at once, across all batches; a line "
+                                   "starts only while no interactive request is in flight")
+    batch_priority: int = Field(100, description="the engine priority of batch lines (lower runs first; "
+                                "interactive requests default to 0)")
     log_format: Literal["plain", "json"] = Field("plain", description="json: one JSON object per log line, with "
                                                  "the request id and the access line's fields")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
@@ -180,7 +194,8 @@ class Settings(BaseSettings):
         """The model's linears are made adaptable: adapters at start, or loading them at runtime."""
         return bool(self.lora_modules) or self.lora_runtime_loading
 
-    @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", mode="before")
+    @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", "batch_max_file_bytes",
+                     mode="before")
     @classmethod
     def _parse_bytes(cls, value: object) -> object:
         # KV_CACHE_BYTES=8GiB reads better than 8589934592.

@@ -23,8 +23,11 @@ from starlette.exceptions import HTTPException
 
 from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_path
 from app.api import BODY_MODELS, WEB_DIR, public, router
+from app.batch.routes import router as batch_router
+from app.batch.service import open_batch_service
+from app.batch.store import Store, StoreError
 from app.config import Settings
-from app.errors import ServeError
+from app.errors import ConfigError, ServeError
 from app.logs import escape_controls
 from app.request_id import current as current_request_id, request_id_from
 from app.models.loading import LoadedModel
@@ -40,20 +43,29 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     """`lm` lets tests and embedders hand in a model that is already loaded."""
     settings = settings or Settings()
     state = ServerState(settings, lm)
+    state.batch_store = open_batch_store(settings.batch_dir)  # an unusable BATCH_DIR is refused now, at start
+
+    async def load() -> None:
+        await state.load()
+        if state.ready and state.batch_store is not None:
+            state.batches = open_batch_service(app, state)  # resumes unfinished batches
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loading = asyncio.create_task(state.load())  # serve /health while the model loads
+        loading = asyncio.create_task(load())  # serve /health while the model loads
         try:
             yield
         finally:
             loading.cancel()
+            if state.batches is not None:
+                await state.batches.runner.stop()  # lines in flight have no row yet: the next start runs them
             await asyncio.to_thread(state.close)
 
     app = FastAPI(title="simple-serve", version="0.1.0", lifespan=lifespan)
     app.state.serve = state
     app.include_router(public)
     app.include_router(router)
+    app.include_router(batch_router)
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")  # the playground's script and style
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
@@ -63,6 +75,15 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     install_error_handlers(app)
     app.openapi = partial(served_openapi, app, settings.model_id)
     return app
+
+
+def open_batch_store(batch_dir) -> Store | None:
+    if batch_dir is None:
+        return None
+    try:
+        return Store(batch_dir)
+    except StoreError as err:
+        raise ConfigError(str(err), param="batch_dir") from None
 
 
 def served_openapi(app: FastAPI, model_id: str) -> dict:
@@ -162,7 +183,8 @@ class AccessAndLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.state.settings.max_request_bytes
+        uploads = scope.get("path") == "/v1/files" and scope.get("method") == "POST"
+        limit = self.state.settings.batch_max_file_bytes if uploads else self.state.settings.max_request_bytes
         started = time.perf_counter()
         status = {"code": 500}
         headers = dict(scope.get("headers", []))
@@ -196,11 +218,15 @@ class AccessAndLimits:
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
             await send(message)
 
+        # what a batch waits for before starting a line: API requests in flight that are not batch lines
+        interactive = scope.get("path") in COUNTED_PATHS and "batch_tenant" not in info
+        self.state.interactive_in_flight += interactive
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             pass
         finally:
+            self.state.interactive_in_flight -= interactive
             try:
                 if too_large:
                     await self._too_large(send, limit, scope, id_header)

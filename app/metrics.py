@@ -29,6 +29,10 @@ class Metrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.request_duration = Histogram(f"{PREFIX}_generation_duration_seconds", "submit to last token",
                                           buckets=LATENCY_BUCKETS, registry=r)
+        # batch progress (app/batch/), without ids or names: what a dashboard needs, nothing a tenant could read
+        self.batch_lines = Counter(f"{PREFIX}_batch_lines", "batch lines finished, by result (ok: a 200)",
+                                   ["result"], registry=r)
+        self.batches_in_progress = Gauge(f"{PREFIX}_batches_in_progress", "batches not yet finished", registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for a decode slot", registry=r)
         self.active_sequences = Gauge(f"{PREFIX}_active_sequences", "sequences being decoded", registry=r)
         self.cancellations = Counter(f"{PREFIX}_cancellations", "generations stopped because the client left",

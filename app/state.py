@@ -75,6 +75,9 @@ class ServerState:
         self.embedding: EmbeddingServing | None = None
         self.ready = False
         self.draining = False
+        self.batch_store = None  # app/batch/store.py's, when BATCH_DIR is set (opened by create_app)
+        self.batches = None  # app/batch/service.py's, once the model is loaded
+        self.interactive_in_flight = 0  # API requests being served, batch lines not counted (app/main.py)
         self.load_error: str | None = None
         self.probe = GenerateProbe(settings.health_generate_timeout_s)  # /health/generate (app/probes.py)
         self.probe_prompt: list[int] = []
@@ -181,6 +184,8 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.batch_store is not None:
+            self.batch_store.close()
         if self.serving is not None:
             self.serving.grammars.close()  # its compile processes
         self.preparing.close()

@@ -23,6 +23,7 @@ COMMANDS = {  # command -> (module under benchmarks/, help)
     "lora": ("lora", "a LoRA adapter against the base model: tokens/s at 1 and 8 streams, mixed batches too"),
     "kernels": ("kernels", "one linear layer in each weight format (fp32, bf16, int8, int4): ms and error"),
     "step": ("step", "one decode step: eager against DECODE_STEP=compiled"),
+    "batch": ("batch", "interactive first token and tokens/s alone and while a batch runs (Batches API)"),
     "soak": ("soak", "a long mixed load, then checks that the server held up (exit 1 if not)"),
     "routing": ("routing", "round-robin vs prefix-aware routing over N local replicas (stands in for the inference "
                            "gateway)"),

@@ -76,6 +76,8 @@ class SamplingParams:
     grammar: Any = field(default=None, compare=False)  # app.core.structured.grammars.Grammar: the answer must match it
     # prefix-cache entries are reused only among requests with the same salt (vLLM's `cache_salt`); never echoed
     cache_salt: str | None = field(default=None, repr=False)
+    # scheduling, not sampling: the engine's queue orders waiting requests by it, lower first (vLLM's `priority`)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, why: str) -> None:
@@ -124,7 +126,7 @@ class SamplingParams:
 
     def effective(self) -> dict[str, Any]:
         """What will actually be used, for the `x-sampling-params` header and `--show-logits`."""
-        skip = ("logit_bias", "stop", "preamble", "grammar", "cache_salt")
+        skip = ("logit_bias", "stop", "preamble", "grammar", "cache_salt", "priority")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["grammar"] = self.grammar.description if self.grammar is not None else None
         if self.preamble is not None:

@@ -123,6 +123,8 @@ class _SamplingFields(BaseModel):
     json_schema: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives, from the prefill itself (docs/api.md)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: waiting requests run lower values first; batch lines run at BATCH_PRIORITY (docs/batch.md)
+    priority: int = Field(0, ge=-2**31, le=2**31 - 1)
 
     @field_validator("stop")
     @classmethod
@@ -193,7 +195,7 @@ class _SamplingFields(BaseModel):
             # choices of one request must differ, yet stay reproducible for a fixed seed (and inside 64 bits)
             "seed": None if self.seed is None else (self.seed + choice_index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0],
             "preamble": self._preamble(reasoning), "grammar": grammar,
-            "cache_salt": engine_cache_salt(tenant, self.cache_salt),
+            "cache_salt": engine_cache_salt(tenant, self.cache_salt), "priority": self.priority,
         }
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             fields["top_k"] = 0

@@ -167,3 +167,37 @@ def test_index_tensors_are_built_once_per_step_not_per_layer(tiny_lm, monkeypatc
         return len(calls)
 
     assert tensors_built(2) == tensors_built(6)
+
+
+def test_waiting_requests_run_in_priority_order_lower_first(tiny_lm):
+    """vLLM's `priority`: with one slot busy, the waiting requests start lowest priority first, arrival order among
+    equals (batch lines wait at BATCH_PRIORITY behind interactive requests at 0)."""
+    import asyncio
+
+    from app.core.engine.engine import Engine
+    from app.core.sampling import SamplingParams
+
+    async def run() -> list[str]:
+        engine = Engine(tiny_lm, max_active=1)
+        engine.start()
+        await asyncio.to_thread(engine.loaded.wait)
+        try:
+            busy = engine.submit([1, 2, 3], SamplingParams(max_tokens=64, do_sample=False, ignore_eos=True), "busy")
+            order: list[str] = []
+
+            async def run_one(name: str, priority: int) -> None:
+                handle = engine.submit([4, 5], SamplingParams(max_tokens=1, do_sample=False, priority=priority), name)
+                async for _ in handle:
+                    pass
+                order.append(name)
+
+            tasks = [asyncio.ensure_future(run_one(n, p)) for n, p in
+                     (("batch-1", 100), ("chat-1", 0), ("batch-2", 100), ("chat-2", 0), ("urgent", -5))]
+            async for _ in busy:
+                pass
+            await asyncio.gather(*tasks)
+            return order
+        finally:
+            engine.stop()
+
+    assert asyncio.run(run()) == ["urgent", "chat-1", "chat-2", "batch-1", "batch-2"]

@@ -172,11 +172,19 @@ class Engine:
             if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
                 raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
                                  "retry shortly")
-            self._waiting.append(handle)
+            self._enqueue(handle)
             self.metrics.adapter_requests.labels(adapter=adapter_label(handle)).inc()
             self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
         return handle
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        """Waiting requests in `priority` order (lower first, vLLM's), arrival order among equals: behind every
+        request of a lower or equal priority, ahead of the rest (batch lines wait behind interactive requests)."""
+        at = len(self._waiting)
+        while at > 0 and self._waiting[at - 1].params.priority > handle.params.priority:
+            at -= 1
+        self._waiting.insert(at, handle)
 
     # ---- the worker thread ----
 

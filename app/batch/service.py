@@ -1,0 +1,200 @@
+"""Files and Batches for the routes: OpenAI's objects, limits and owners, over the store and the runner.
+
+Owners: with API keys set, a file or batch belongs to the key that created it, and every other key gets a 404 for
+it, as for anything that does not exist. The owner stored is an HMAC of the key under a secret kept in BATCH_DIR,
+so it is stable across restarts (a resumed batch runs as its owner) and no key is written to disk. Without keys,
+everything belongs to one owner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from typing import Any
+
+from app.auth import ApiKeys, split_keys
+from app.batch.lines import ENDPOINTS, BadInput, read_lines
+from app.batch.runner import BatchRunner, window_seconds
+from app.batch.store import Store
+from app.errors import InvalidRequest, ServeError
+
+FILE_PURPOSES = ("batch", "batch_output", "user_data", "fine-tune", "assistants", "vision", "evals")
+MAX_LIST_LIMIT = 100
+
+
+class NotFound(ServeError):
+    status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param=param, code="not_found")
+
+
+class TooManyBatches(ServeError):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class BatchService:
+    def __init__(self, store: Store, runner: BatchRunner, settings, api_keys: ApiKeys, endpoints: list[str]):
+        self.store, self.runner, self.settings = store, runner, settings
+        self.endpoints = [e for e in ENDPOINTS if e in endpoints]  # what this server's model serves
+        keys = split_keys(settings.api_key)
+        owner = {api_keys.digest(k): self._owner_of_key(k) for k in keys}
+        self._owner_by_tenant = owner
+        self._tenant_by_owner = {o: t for t, o in owner.items()}
+
+    def _owner_of_key(self, key: str) -> str:
+        return hmac.new(self.store.owner_secret, key.encode(), hashlib.sha256).hexdigest()
+
+    def owner(self, tenant: str | None) -> str:
+        return self._owner_by_tenant.get(tenant, "") if tenant else ""
+
+    def tenant(self, owner: str) -> str | None:
+        """The tenant a batch's lines run as: its owner's key, as configured now."""
+        return self._tenant_by_owner.get(owner) if owner else None
+
+    # ---- files ----
+
+    def upload(self, tenant: str | None, purpose: str, filename: str, data: bytes) -> dict[str, Any]:
+        if purpose not in FILE_PURPOSES:
+            raise InvalidRequest(f"`purpose` must be one of {', '.join(FILE_PURPOSES)}", param="purpose")
+        if purpose == "batch":  # checked now, so a bad file fails at upload, as OpenAI's does
+            try:
+                read_lines(data, None, self.settings.batch_max_lines)
+            except BadInput as err:
+                raise InvalidRequest(f"the file is not a valid batch input: {err}", param="file") from None
+        expires = int(time.time() + self.settings.batch_retention_s)
+        return file_object(self.store.add_file(self.owner(tenant), purpose, filename or "upload.jsonl", data,
+                                               expires))
+
+    def file(self, tenant: str | None, file_id: str) -> dict[str, Any]:
+        row = self.store.file(file_id, self.owner(tenant))
+        if row is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return row
+
+    def files(self, tenant: str | None, purpose: str | None, after: str | None, limit: int) -> dict[str, Any]:
+        rows = self.store.files(self.owner(tenant), purpose)
+        if after is not None:
+            ids = [r["id"] for r in rows]
+            rows = rows[ids.index(after) + 1:] if after in ids else []
+        return page([file_object(r) for r in rows], limit)
+
+    def content(self, tenant: str | None, file_id: str) -> bytes:
+        self.file(tenant, file_id)
+        return self.store.file_path(file_id).read_bytes()
+
+    def delete(self, tenant: str | None, file_id: str) -> dict[str, Any]:
+        if not self.store.delete_file(file_id, self.owner(tenant)):
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ---- batches ----
+
+    def create(self, tenant: str | None, input_file_id: Any, endpoint: Any, completion_window: Any,
+               metadata: Any) -> dict[str, Any]:
+        if not isinstance(input_file_id, str):
+            raise InvalidRequest("`input_file_id` must be a file id", param="input_file_id")
+        if endpoint not in self.endpoints:
+            raise InvalidRequest(f"`endpoint` must be one of {', '.join(self.endpoints)} on this server",
+                                 param="endpoint")
+        seconds = window_seconds(completion_window) if isinstance(completion_window, str) else None
+        if seconds is None:
+            raise InvalidRequest('`completion_window` must be "24h" (or another "<n>s|m|h|d")',
+                                 param="completion_window")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                for k, v in metadata.items())):
+            raise InvalidRequest("`metadata` must be at most 16 string pairs (keys up to 64 characters, values up "
+                                 "to 512)", param="metadata")
+        owner = self.owner(tenant)
+        row = self.store.file(input_file_id, owner)
+        if row is None:
+            raise NotFound(f"no file with id {input_file_id!r}", param="input_file_id")
+        if row["purpose"] != "batch":
+            raise InvalidRequest(f"file {input_file_id!r} was uploaded with purpose {row['purpose']!r}, not "
+                                 "'batch'", param="input_file_id")
+        try:
+            lines = read_lines(self.store.file_path(input_file_id).read_bytes(), endpoint,
+                               self.settings.batch_max_lines)
+        except BadInput as err:
+            raise InvalidRequest(f"input file {input_file_id!r}: {err}", param="input_file_id") from None
+        if self.store.count_in_progress(owner) >= self.settings.batch_max_in_progress:
+            raise TooManyBatches(f"{self.settings.batch_max_in_progress} batches are already in progress for this "
+                                 "key (BATCH_MAX_IN_PROGRESS); retry when one has finished")
+        batch = self.store.add_batch(owner, endpoint, input_file_id, completion_window, len(lines),
+                                     int(time.time()) + seconds, metadata)
+        self.runner.start(batch["id"])
+        return self.batch_object(batch)
+
+    def batch(self, tenant: str | None, batch_id: str) -> dict[str, Any]:
+        row = self.store.batch(batch_id, self.owner(tenant))
+        if row is None:
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+        return self.batch_object(row)
+
+    def batches(self, tenant: str | None, after: str | None, limit: int) -> dict[str, Any]:
+        rows = self.store.batches(self.owner(tenant), after, limit + 1)
+        return page([self.batch_object(r) for r in rows], limit)
+
+    def cancel(self, tenant: str | None, batch_id: str) -> dict[str, Any]:
+        row = self.store.batch(batch_id, self.owner(tenant))
+        if row is None:
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+        if not self.store.set_status(batch_id, "cancelling", only_from=("validating", "in_progress")):
+            if row["status"] not in ("cancelling", "cancelled"):
+                raise InvalidRequest(f"batch {batch_id!r} is {row['status']} and cannot be cancelled",
+                                     param="batch_id", code="invalid_state")
+        self.runner.start(batch_id)  # a batch with no runner (none should be) still reaches `cancelled`
+        return self.batch_object(self.store.batch(batch_id))
+
+    def batch_object(self, row: dict[str, Any]) -> dict[str, Any]:
+        counts = self.store.counts(row)
+        return {
+            "id": row["id"], "object": "batch", "endpoint": row["endpoint"],
+            "errors": json.loads(row["errors"]) if row["errors"] else None,
+            "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
+            "status": row["status"], "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
+            **{k: row[k] for k in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+                                   "failed_at", "expired_at", "cancelling_at", "cancelled_at")},
+            "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
+            "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+        }
+
+
+def file_object(row: dict[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
+            "expires_at": row["expires_at"], "filename": row["filename"], "purpose": row["purpose"],
+            "status": "processed", "status_details": None}
+
+
+def page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    shown = items[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
+
+
+def open_batch_service(app, state) -> BatchService:
+    """The service over the store that create_app opened, once the model is loaded: its runner resumes every batch
+    a previous process left unfinished, and drops what is past BATCH_RETENTION_S (now, then hourly)."""
+    from functools import partial
+
+    from app.batch.dispatch import call_route
+
+    s = state.settings
+    store: Store = state.batch_store
+    endpoints = state.embedding.endpoints if state.kind == "embedding" else ["/v1/chat/completions",
+                                                                             "/v1/completions", "/v1/responses"]
+    metrics = state.metrics
+    runner = BatchRunner(store, partial(call_route, app), s.batch_concurrency, s.batch_priority, s.batch_max_lines,
+                         interactive_busy=lambda: state.interactive_in_flight > 0,
+                         on_line=lambda ok: metrics.batch_lines.labels("ok" if ok else "error").inc())
+    service = BatchService(store, runner, s, state.api_keys, endpoints)
+    runner.tenant_of = service.tenant
+    metrics.batches_in_progress.set_function(lambda: store.count_in_progress())
+    runner.tidy(s.batch_retention_s)
+    runner.resume_all()
+    return service
