@@ -9,6 +9,8 @@ The checks run cheapest first, so a hostile body is refused before it costs much
    got in was echoed back as bare `NaN`, which strict parsers reject;
 4. item counts (`MAX_MESSAGES`, `MAX_CONTENT_BLOCKS`, `MAX_TOOLS`) on the parsed dict, before pydantic: validating
    31,000 messages cost ~100 ms of GIL per body;
+   a request model's own `LIST_BOUNDS` replace these bounds for its fields in 2 and 4 (the pooling routes: their
+   `input` is texts or token ids, not messages);
 5. pydantic, whose errors become the same 400 as FastAPI's own validation errors (app/main.py).
 """
 
@@ -121,26 +123,29 @@ def unescaped(raw: bytes, start: int, end: int) -> bytes:
 
 
 def parse_body(raw: bytes, content_type: str | None, model: type[M], limits: BodyLimits) -> M:
-    data = read_json(raw, content_type, limits)
-    check_counts(data, limits)
+    bounds = list_bounds(limits, model)
+    data = read_json(raw, content_type, limits, bounds)
+    check_counts(data, limits, bounds)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
 
 
-def read_json(raw: bytes, content_type: str | None, limits: BodyLimits) -> Any:
+def read_json(raw: bytes, content_type: str | None, limits: BodyLimits,
+              bounds: dict[str, tuple[int, str]] | None = None) -> Any:
     kind = (content_type or "").split(";")[0].strip().lower()
     if not (kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")):
         raise InvalidRequest("the request body must be JSON, sent with `Content-Type: application/json`")
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
-    depth, counts = json_shape(raw, min(limits.max_messages, limits.max_tools))
+    bounds = list_bounds(limits) if bounds is None else bounds
+    depth, counts = json_shape(raw, min(bound for bound, _ in bounds.values()))
     if depth > limits.max_depth:
         raise InvalidRequest(f"the request body nests arrays and objects {depth} levels deep; at most "
                              f"{limits.max_depth} are accepted (MAX_JSON_DEPTH)", code="json_too_deep")
     for field, count in counts.items():  # the bounds check_counts applies, before parsing lists too long to keep
-        if (bound := list_bounds(limits).get(field)) and count > bound[0]:
+        if (bound := bounds.get(field)) and count > bound[0]:
             raise too_many(field, count, *bound)
     try:  # decoded only now: a body refused above costs no 1 MiB string
         text = raw.decode("utf-8")
@@ -170,12 +175,12 @@ def finite_float(text: str) -> float:
     return value
 
 
-def check_counts(data: Any, limits: BodyLimits) -> None:
+def check_counts(data: Any, limits: BodyLimits, bounds: dict[str, tuple[int, str]] | None = None) -> None:
     """Bounds on what pydantic would otherwise validate item by item: messages (Responses' `input` items), the
     content blocks and tool calls inside them (Anthropic's `system` and `tool_result` blocks too), and tools."""
     if not isinstance(data, dict):
         return  # pydantic names what is wrong
-    for field, bound in list_bounds(limits).items():
+    for field, bound in (list_bounds(limits) if bounds is None else bounds).items():
         if isinstance(items := data.get(field), list) and len(items) > bound[0]:
             raise too_many(field, len(items), *bound)
     blocks = len(system) if isinstance(system := data.get("system"), list) else 0
@@ -195,9 +200,10 @@ def check_counts(data: Any, limits: BodyLimits) -> None:
         raise too_many("system", blocks, limits.max_content_blocks, "MAX_CONTENT_BLOCKS", what="content blocks")
 
 
-def list_bounds(limits: BodyLimits) -> dict[str, tuple[int, str]]:
+def list_bounds(limits: BodyLimits, model: type | None = None) -> dict[str, tuple[int, str]]:
+    """Each top-level list's bound and the setting that names it; a request model's own `LIST_BOUNDS` win."""
     return {"tools": (limits.max_tools, "MAX_TOOLS"), "messages": (limits.max_messages, "MAX_MESSAGES"),
-            "input": (limits.max_messages, "MAX_MESSAGES")}
+            "input": (limits.max_messages, "MAX_MESSAGES"), **getattr(model, "LIST_BOUNDS", {})}
 
 
 def too_many(param: str, count: int, limit: int, setting: str, what: str = "items") -> InvalidRequest:

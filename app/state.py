@@ -120,7 +120,8 @@ class ServerState:
         self.lm = self.engine.lm
         if self.lm.kind != "embedding":
             raise RuntimeError(f"{s.model} was taken for an embedding model but loaded as a {self.lm.kind} model")
-        self.embedding = EmbeddingServing(self.engine, self.lm, s.model_id, self.preparing, self.metrics)
+        self.embedding = EmbeddingServing(self.engine, self.lm, s.model_id, self.preparing, self.metrics,
+                                          s.queue_timeout_s, s.request_timeout_s)
         warm = self.lm.encode_pair("Hello", "Hello") if self.lm.scores_pairs else self.lm.encode_text("Hello")
         await self.engine.embed([warm])
         self.probe_prompt = warm  # /health/generate's input when the engine is idle

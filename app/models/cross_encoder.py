@@ -4,7 +4,8 @@ Rerankers such as ms-marco-MiniLM are of this kind: unlike a bi-encoder, which e
 vectors, the model attends across the pair, which usually ranks better and gives no embedding. The score equals
 `sentence_transformers.CrossEncoder(dir).predict(pairs)`: the logit of a one-label head through a sigmoid. Pairs are
 tokenized as the tokenizer pairs them (`[CLS] a [SEP] b [SEP]` with token types 0 and 1 for BERT), padded on the
-right, and masked, so a pair's score does not depend on its batch.
+right, and masked, so a pair's score does not depend on its batch. A pair may hold `token_limit` tokens (RoBERTa-family
+rerankers such as bge-reranker: two fewer than `max_position_embeddings`, app/models/pooling.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from app.errors import ConfigError
+from app.models.pooling import check_width, token_limit
 
 
 class PairRow(list):
@@ -50,7 +52,8 @@ class CrossEncoderModel:
         return self.model.config.vocab_size
 
     def encode_pair(self, first: str, second: str, limit: int | None = None) -> PairRow:
-        """`limit` truncates as sentence-transformers' CrossEncoder does (the longer text first, specials kept)."""
+        """`limit` truncates the longer text first with the special tokens kept, as sentence-transformers'
+        CrossEncoder does, but keeping each text's last tokens, as vLLM's `truncate_prompt_tokens` does."""
         kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
         encoded = self.tokenizer(first, second, **kwargs)
         return PairRow(encoded["input_ids"], encoded.get("token_type_ids"))
@@ -58,6 +61,7 @@ class CrossEncoderModel:
     @torch.inference_mode()
     def embed(self, rows: list[PairRow]) -> torch.Tensor:
         """Pairs -> [len(rows), 1] scores in (0, 1), one padded pass."""
+        check_width(rows, self.max_context)
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -86,7 +90,8 @@ def load_cross_encoder(source: str, name: str, device: torch.device, dtype: torc
         raise ConfigError(f"{name!r} has {model.config.num_labels} labels; only one-label cross-encoders (a "
                           "relevance score) are served", param="model")
     model.eval()
-    limit = getattr(model.config, "max_position_embeddings", None) or 512
+    tokenizer.truncation_side = "left"  # a cut pair keeps its texts' last tokens, as vLLM's truncate_prompt_tokens
+    limit = token_limit(model, tokenizer)
     if max_model_len is not None:
         if max_model_len > limit:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {limit}", param="max_model_len")

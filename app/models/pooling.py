@@ -10,6 +10,11 @@ Decoder embedding models (Qwen3-Embedding, gte-Qwen2) are the same path: their `
 `lasttoken`, and `AutoModel` loads the causal LM's body. Rows are padded on the right and every pooling reads the
 attention mask, so a row's vector does not depend on what it was batched with (a causal model's last real token
 never sees the padding after it; an encoder's padding is masked out of attention).
+
+How many tokens an input may hold is read from what the model is (`token_limit`): RoBERTa-family models number
+positions from `pad_token_id + 1`, so their table of `max_position_embeddings` holds two fewer real positions, and
+an input one token too long indexes past it (an IndexError on the CPU; on CUDA a device-side assert that fails
+every later pass of the process). Truncation keeps an input's last tokens, as vLLM's `truncate_prompt_tokens` does.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "m
                  "pooling_mode_lasttoken": "lasttoken"}
 # What makes a directory a chat model rather than an encoder, when it has no modules.json.
 GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# transformers' "no limit known" model_max_length is int(1e30); nothing real comes near a billion tokens.
+UNSET_MODEL_MAX_LENGTH = 10**9
 
 
 @dataclass
@@ -85,6 +92,43 @@ def read_pooling_config(path: Path) -> PoolingConfig:
     return config
 
 
+def token_limit(model: Any, tokenizer: Any, max_seq_length: int | None = None) -> int:
+    """The most tokens one input may hold, special tokens included, read from what the model is: the rows of its
+    position table less the offset its positions start at (RoBERTa, XLM-R, MPNet: `padding_idx + 1`, so 514 rows
+    hold 512 positions), else `max_position_embeddings` (rotary models); then the smaller of that and
+    `sentence_bert_config.json`'s `max_seq_length` when the directory has one (what sentence-transformers
+    truncates to), else the tokenizer's `model_max_length` when it is set (what CrossEncoder truncates to)."""
+    table = next((m for name, m in model.named_modules()
+                  if name.endswith("position_embeddings") and isinstance(m, torch.nn.Embedding)), None)
+    if table is not None:
+        positions = table.num_embeddings - (0 if table.padding_idx is None else table.padding_idx + 1)
+    else:
+        positions = getattr(model.config, "max_position_embeddings", None) or 512
+    if max_seq_length is not None:
+        return min(max_seq_length, positions)
+    declared = getattr(tokenizer, "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < UNSET_MODEL_MAX_LENGTH:
+        return min(declared, positions)
+    return positions
+
+
+def leading_special_tokens(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before a text (`[CLS]`, `<s>`, a BOS; none for most decoders)."""
+    marked, bare = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(marked) - len(bare) + 1):
+        if marked[start:start + len(bare)] == bare:
+            return list(marked[:start])
+    return []
+
+
+def check_width(rows: list[list[int]], limit: int) -> None:
+    """A row past the model's positions must never reach it: on CUDA its out-of-range position index is a
+    device-side assert that poisons the context, and every later pass fails. The serving layer refuses or cuts
+    such rows first; this guards any other way in."""
+    if (width := max(len(r) for r in rows)) > limit:
+        raise ValueError(f"a row of {width} tokens is past the model's {limit}")
+
+
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Token states -> one vector per row. hidden: [B, T, H]; mask: [B, T], 1 for real tokens, padding on the
     right. Returns [B, H]."""
@@ -109,7 +153,8 @@ class PoolingModel:
     tokenizer: Any
     name: str
     config: PoolingConfig
-    max_context: int  # tokens per input, special tokens included
+    max_context: int  # tokens per input, special tokens included (token_limit)
+    leading: tuple[int, ...] = ()  # the special tokens the tokenizer puts before a text (leading_special_tokens)
     dtype_reason: str = "chosen by the caller"
     prepack: str = "off: pooling models run the plain transformers forward"
     ranks: Any = None  # never tensor parallel; the attribute the server's health checks read
@@ -139,14 +184,25 @@ class PoolingModel:
 
     def encode_text(self, text: str, limit: int | None = None) -> list[int]:
         """With the tokenizer's special tokens ([CLS] ... [SEP] for BERT), as sentence-transformers tokenizes;
-        `limit` cuts the end the same way its truncation does (the special tokens kept)."""
+        `limit` keeps the text's last tokens, its special tokens kept (the tokenizer truncates on the left)."""
         if limit is None:
             return list(self.tokenizer(text)["input_ids"])
         return list(self.tokenizer(text, truncation=True, max_length=limit)["input_ids"])
 
+    def cut_ids(self, ids: list[int], limit: int) -> list[int]:
+        """A token-id list cut as encode_text cuts a text: its last `limit` tokens (so the EOS a last-token pooling
+        reads stays), and the leading special tokens it starts with kept in front (the [CLS] a cls pooling reads)."""
+        if len(ids) <= limit:
+            return list(ids)
+        lead = len(self.leading)
+        if lead and lead < limit and tuple(ids[:lead]) == self.leading:
+            return list(ids[:lead]) + list(ids[len(ids) - (limit - lead):])
+        return list(ids[len(ids) - limit:])
+
     @torch.inference_mode()
     def embed(self, rows: list[list[int]]) -> torch.Tensor:
         """Token-id rows -> [len(rows), H] float32 vectors, one padded pass."""
+        check_width(rows, self.max_context)
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -173,10 +229,11 @@ def load_pooling_model(source: str, name: str, device: torch.device, dtype: torc
     except OSError as err:
         raise ConfigError(f"could not load embedding model {name!r}: {err}", param="model") from err
     model.eval()
-    limit = config.max_seq_length or getattr(model.config, "max_position_embeddings", None) or 512
+    tokenizer.truncation_side = "left"  # a cut input keeps its last tokens, as vLLM's truncate_prompt_tokens
+    limit = token_limit(model, tokenizer, config.max_seq_length)
     if max_model_len is not None:
         if max_model_len > limit:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {limit}", param="max_model_len")
         limit = max_model_len
     return PoolingModel(model=model, tokenizer=tokenizer, name=name, config=config, max_context=limit,
-                        dtype_reason=dtype_reason)
+                        leading=tuple(leading_special_tokens(tokenizer)), dtype_reason=dtype_reason)

@@ -7,6 +7,13 @@ share a pass, and one large request is split into passes that other requests' ro
 
 Padding changes no vector (app/models/pooling.py), so which rows share a pass is invisible in the results.
 Backpressure as in the chat engine: past `max_requests` waiting, `embed` raises `Overloaded` at once.
+
+One input can never fail its neighbours: a pass that raises is run again in two halves, down to single rows, so
+only the rows that fail on their own fail, and only their requests (the chat engine retries an out-of-memory pass
+the same way, app/core/engine/step.py). Deadlines as in the chat engine (app/deadlines.py): a request with rows
+still waiting when its queue deadline or its whole deadline passes ends with `QueueTimeout` (a 503 with
+Retry-After) and its waiting rows never run; checked before every pass, so at most one pass late. Once its last
+row is in a pass it completes: a pass is never interrupted, and a request has no partial answer to give.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from typing import Any, Callable
 
 import torch
 
+from app.core.engine.faults import is_out_of_memory, release_cached_memory
 from app.core.engine.handle import EngineDead
-from app.errors import Overloaded, ServeError, ShuttingDown
+from app.errors import Overloaded, QueueTimeout, ServeError, ShuttingDown
 
 log = logging.getLogger("app.core.engine.embedding")
 DEFAULT_TOKENS_PER_BATCH = 16384  # padded tokens per pass: batch 32 at 512 tokens, or 256 short sentences
@@ -37,12 +45,19 @@ class EmbeddingJob:
     rows: list[list[int]]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    queue_deadline: float | None = None  # time.perf_counter(); None: no limit (app/deadlines.py)
+    deadline: float | None = None
     vectors: list[Any] = field(default_factory=list)  # filled in row order
     next_row: int = 0  # rows before this one are taken by a pass
+    failed: bool = False  # one of its rows failed alone (set by the worker): its other rows are not run
+    submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
     def gone(self) -> bool:
-        return self.future.done()  # cancelled: the client left; its remaining rows are skipped
+        return self.failed or self.future.done()  # done: the client left; its remaining rows are skipped
+
+    def late(self, now: float) -> bool:
+        return any(t is not None and now >= t for t in (self.queue_deadline, self.deadline))
 
 
 class EmbeddingEngine:
@@ -96,12 +111,14 @@ class EmbeddingEngine:
         for job in jobs:
             self._settle(job, err)
 
-    async def embed(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """One vector (float32, on the CPU) per row, in order."""
+    async def embed(self, rows: list[list[int]], deadlines: tuple[float | None, float | None] = (None, None)
+                    ) -> list[torch.Tensor]:
+        """One vector (float32, on the CPU) per row, in order. `deadlines`: (queue deadline, whole deadline), as
+        app/deadlines.py's request_deadlines gives them."""
         if self.draining:
             raise ShuttingDown()
         loop = asyncio.get_running_loop()
-        job = EmbeddingJob(rows, loop, loop.create_future())
+        job = EmbeddingJob(rows, loop, loop.create_future(), *deadlines)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead("the embedding engine has stopped")
@@ -137,6 +154,7 @@ class EmbeddingEngine:
         """Rows from the front of the queue while the padded batch stays within budget (always at least one)."""
         with self._wake:
             while True:
+                self._expire()
                 self._prune()
                 if self._stopping:
                     return None
@@ -163,6 +181,17 @@ class EmbeddingEngine:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._queue))
 
+    def _expire(self) -> None:
+        """End the requests with rows still waiting whose deadlines have passed (call with the lock held)."""
+        now = time.perf_counter()
+        for job in [job for job in self._queue if not job.gone and job.late(now)]:
+            job.failed = True  # rows of it already in a pass give nothing: it has no partial answer
+            if self.metrics is not None:
+                self.metrics.deadlines_exceeded.labels("queue").inc()
+            self._settle(job, QueueTimeout(f"the request waited {now - job.submitted_at:.1f} s for the embedding "
+                                           "engine, past its limit, and was not run; retry shortly or on "
+                                           "another replica"))
+
     def _prune(self) -> None:
         """Keep only requests with rows left to take and a client still waiting (call with the lock held)."""
         if any(job.gone or job.next_row == len(job.rows) for job in self._queue):
@@ -171,27 +200,45 @@ class EmbeddingEngine:
     def _run_pass(self, batch: list[tuple[EmbeddingJob, list[int]]]) -> None:
         jobs = list({id(job): job for job, _ in batch}.values())
         self.step_started_at = time.monotonic()  # /health/generate reads these, as it does the chat engine's
-        try:
-            vectors = self.lm.embed([row for _, row in batch])  # [rows, H]
-        except Exception as err:  # noqa: BLE001 - fails this pass's requests; the engine keeps serving
-            log.exception("an embedding pass failed")
-            failure = EmbeddingFailed(f"the embedding pass failed: {type(err).__name__}: {err}")
-            with self._wake:
-                for job in jobs:
-                    if job in self._queue:
-                        self._queue.remove(job)
-                self._running = 0
-            for job in jobs:
-                self._settle(job, failure)
-            return
+        results = self._embed_rows([row for _, row in batch])
         self.passes += 1
-        for (job, _), vector in zip(batch, vectors):
-            job.vectors.append(vector)
+        failures: dict[int, tuple[EmbeddingJob, Exception]] = {}
+        for (job, _), result in zip(batch, results):
+            if job.gone:
+                continue
+            if isinstance(result, Exception):
+                job.failed = True
+                failures[id(job)] = (job, result)
+            else:
+                job.vectors.append(result)
         with self._wake:
+            for job, _ in failures.values():
+                if job in self._queue:
+                    self._queue.remove(job)  # its rows not yet taken never run
             self._running = 0
+        for job, err in failures.values():
+            self._settle(job, EmbeddingFailed(f"embedding this input failed: {type(err).__name__}: {err}"))
         for job in jobs:
-            if len(job.vectors) == len(job.rows):
+            if not job.failed and len(job.vectors) == len(job.rows):
                 self._settle(job, job.vectors)
+
+    def _embed_rows(self, rows: list[list[int]]) -> list[torch.Tensor | Exception]:
+        """Each row's vector, or the error it fails with alone: a pass that raises is run again in two halves,
+        down to single rows, so rows that would succeed on their own do (an input the model cannot take, or one
+        too large for the memory left, fails only itself). Halves, not row by row: one bad row among 32 costs 10
+        more passes instead of 32."""
+        try:
+            return list(self.lm.embed(rows))  # [rows, H]
+        except Exception as err:  # noqa: BLE001 - fails only the rows that fail alone; the engine keeps serving
+            if len(rows) == 1:
+                log.exception("an embedding input of %d tokens failed", len(rows[0]))
+                return [err]
+            log.warning("an embedding pass of %d rows failed (%s: %s); running it again in halves", len(rows),
+                        type(err).__name__, err)
+            if is_out_of_memory(err):
+                release_cached_memory(self.lm.device)
+            half = (len(rows) + 1) // 2
+            return self._embed_rows(rows[:half]) + self._embed_rows(rows[half:])
 
     @staticmethod
     def _settle(job: EmbeddingJob, result) -> None:

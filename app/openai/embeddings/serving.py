@@ -3,6 +3,11 @@
 Rerank and score with a bi-encoder use its own vectors: the relevance of a document to a query is the cosine
 similarity of their embeddings (vLLM does the same for embedding models). A cross-encoder (app/models/cross_encoder.py)
 reads each (query, document) pair in one pass and its score is the relevance; it gives no embeddings.
+
+Limits count a request's inputs together: both sides of a bi-encoder's rerank and score against MAX_INPUTS and
+MAX_TOTAL_TOKENS. Deadlines are the generation routes' (app/deadlines.py): QUEUE_TIMEOUT_S, REQUEST_TIMEOUT_S and
+`x-request-timeout`; a request whose rows still wait for the engine when one passes gets the same 503 with
+Retry-After (app/core/engine/embedding.py).
 """
 
 from __future__ import annotations
@@ -14,39 +19,41 @@ import uuid
 import torch
 from fastapi import Request
 
+from app.deadlines import HEADER, header_timeout, request_deadlines
 from app.errors import InvalidRequest, ModelNotFound
-from app.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from app.openai.embeddings.protocol import (MAX_INPUTS, MAX_TOTAL_TOKENS, EmbeddingRequest, RerankRequest,
+                                            ScoreRequest)
 
-# OpenAI's own per-request limits for /v1/embeddings, so that a client batching for OpenAI fits here too.
-MAX_INPUTS = 2048
-MAX_TOTAL_TOKENS = 300_000
 ENDPOINTS = ["/v1/embeddings", "/v1/rerank", "/v1/score"]
 PAIR_ENDPOINTS = ["/v1/rerank", "/v1/score"]  # a cross-encoder's
 
 
 class EmbeddingServing:
-    def __init__(self, engine, lm, model_id: str, preparing, metrics):
+    def __init__(self, engine, lm, model_id: str, preparing, metrics, queue_timeout_s: float | None = None,
+                 request_timeout_s: float | None = None):
         self.engine, self.lm, self.model_id = engine, lm, model_id
         self.preparing, self.metrics = preparing, metrics
+        self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
 
     @property
     def endpoints(self) -> list[str]:
         return PAIR_ENDPOINTS if self.lm.scores_pairs else ENDPOINTS
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, request: Request) -> None:
+        header_timeout(request.headers.get(HEADER))  # a bad header is a 400 before any work
         if model is not None and model != self.model_id:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}")
 
     # ---- endpoints ----
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict:
-        self.check_model(body.model)
+        self.check_model(body.model, request)
         if self.lm.scores_pairs:
             raise InvalidRequest(f"{self.model_id} is a cross-encoder: it scores pairs of texts on "
                                  f"{', '.join(PAIR_ENDPOINTS)} and gives no embeddings", param="model",
                                  code="unsupported_endpoint")
         size = self._dimensions(body.dimensions)
-        rows = await self.preparing.run(self.token_rows, body.inputs(), body.truncate_prompt_tokens, "input")
+        [rows] = await self.preparing.run(self.token_rows, [("input", body.inputs())], body.truncate_prompt_tokens)
         vectors = await self._embed(rows, "embeddings", request)
         if size != self.lm.dimensions:  # a Matryoshka prefix, renormalised if the model's vectors are unit length
             vectors = vectors[:, :size]
@@ -57,7 +64,7 @@ class EmbeddingServing:
         return {"object": "list", "data": data, "model": self.model_id, "usage": usage(rows)}
 
     async def rerank(self, body: RerankRequest, request: Request) -> dict:
-        self.check_model(body.model)
+        self.check_model(body.model, request)
         texts = body.texts()
         if not texts:
             raise InvalidRequest("`documents` is empty; give at least one document", param="documents")
@@ -74,7 +81,7 @@ class EmbeddingServing:
                 "usage": {"total_tokens": usage(rows)["total_tokens"]}}
 
     async def score(self, body: ScoreRequest, request: Request) -> dict:
-        self.check_model(body.model)
+        self.check_model(body.model, request)
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if not first or not second:
@@ -98,17 +105,12 @@ class EmbeddingServing:
         for `usage`."""
         firsts = first * len(second) if len(first) == 1 else first
         if self.lm.scores_pairs:
-            rows = await self.preparing.run(self.pair_rows, firsts, second, truncate, params[1])
+            [rows] = await self.preparing.run(self.token_rows, [(params[1], list(zip(firsts, second)))], truncate)
             return (await self._embed(rows, endpoint, request))[:, 0].tolist(), rows
-        rows_1 = await self.preparing.run(self.token_rows, first, truncate, params[0])
-        rows_2 = await self.preparing.run(self.token_rows, second, truncate, params[1])
+        rows_1, rows_2 = await self.preparing.run(self.token_rows, list(zip(params, (first, second))), truncate)
         vectors = await self._embed(rows_1 + rows_2, endpoint, request)
         left = vectors[:len(first)].expand(len(second), -1) if len(first) == 1 else vectors[:len(first)]
         return torch.nn.functional.cosine_similarity(left, vectors[len(first):], dim=1).tolist(), rows_1 + rows_2
-
-    def pair_rows(self, firsts: list[str], seconds: list[str], truncate: int | None, param: str) -> list[list[int]]:
-        """A cross-encoder's rows: each (first, second) pair tokenized together, with the same limits as texts."""
-        return self.token_rows(list(zip(firsts, seconds)), truncate, param)
 
     def _dimensions(self, asked: int | None) -> int:
         native = self.lm.dimensions
@@ -122,16 +124,20 @@ class EmbeddingServing:
                                  param="dimensions")
         return asked
 
-    def token_rows(self, inputs: list[str | list[int] | tuple[str, str]], truncate: int | None,
-                   param: str) -> list[list[int]]:
-        """Texts -> token rows (with the model's special tokens), token-id lists as given; every limit checked.
-        Runs on a prepare worker: tokenizing 2,048 texts is not the event loop's work."""
+    def token_rows(self, sides: list[tuple[str, list[str | list[int] | tuple[str, str]]]],
+                   truncate: int | None) -> list[list[list[int]]]:
+        """Each side's inputs (named by its field) -> token rows: texts with the model's special tokens, token-id
+        lists as given, a cross-encoder's (first, second) pairs tokenized together; every limit checked, over all
+        sides together. Runs on a prepare worker: tokenizing 2,048 texts is not the event loop's work."""
         limit = self.lm.max_context
-        if not inputs:
-            raise InvalidRequest(f"`{param}` is empty; give at least one input", param=param)
-        if len(inputs) > MAX_INPUTS:
-            raise InvalidRequest(f"`{param}` has {len(inputs):,} inputs; at most {MAX_INPUTS:,} are accepted per "
-                                 "request", param=param, code="too_many_items")
+        for param, inputs in sides:
+            if not inputs:
+                raise InvalidRequest(f"`{param}` is empty; give at least one input", param=param)
+        if (count := sum(len(inputs) for _, inputs in sides)) > MAX_INPUTS:
+            names = " and ".join(f"`{param}`" for param, _ in sides)
+            raise InvalidRequest(f"{names} {'hold' if len(sides) > 1 else 'has'} {count:,} inputs"
+                                 f"{' together' if len(sides) > 1 else ''}; at most {MAX_INPUTS:,} are accepted per "
+                                 "request (MAX_INPUTS)", param=sides[-1][0], code="too_many_items")
         if truncate is not None and not (truncate == -1 or truncate >= 1):
             raise InvalidRequest("`truncate_prompt_tokens` must be -1 (the model's limit) or at least 1",
                                  param="truncate_prompt_tokens")
@@ -139,39 +145,47 @@ class EmbeddingServing:
             raise InvalidRequest(f"`truncate_prompt_tokens` is {truncate}; {self.model_id} takes at most {limit} "
                                  "tokens per input", param="truncate_prompt_tokens")
         keep = None if truncate is None else (limit if truncate == -1 else truncate)
-        rows, total = [], 0
-        for i, item in enumerate(inputs):
-            where = f"{param}[{i}]" if len(inputs) > 1 else param
-            if isinstance(item, tuple):  # a cross-encoder's (first, second) pair
-                if not item[0] or not item[1]:
-                    raise InvalidRequest(f"`{where}` pairs an empty string; every text needs words", param=param)
-                row = self.lm.encode_pair(*item, keep)
-            elif isinstance(item, str):
-                if not item:
-                    raise InvalidRequest(f"`{where}` is an empty string; every input needs text", param=param)
-                row = self.lm.encode_text(item, keep)
-            else:
-                if not item:
-                    raise InvalidRequest(f"`{where}` is an empty token list", param=param)
-                bad = [t for t in item if t >= self.lm.vocab_size]
-                if bad:
-                    raise InvalidRequest(f"`{where}` has token ids outside the vocabulary: {bad[:5]}", param=param)
-                row = list(item if keep is None else item[:keep])
-            if len(row) > limit:
-                raise InvalidRequest(f"`{where}` has {len(row):,} tokens; {self.model_id} takes at most {limit} "
-                                     "per input (set `truncate_prompt_tokens` to cut longer inputs)", param=param,
-                                     code="context_length_exceeded")
-            total += len(row)
-            if total > MAX_TOTAL_TOKENS:
-                raise InvalidRequest(f"`{param}` holds more than {MAX_TOTAL_TOKENS:,} tokens in all, the most one "
-                                     "request may; split it", param=param, code="too_many_tokens")
-            rows.append(row)
-        return rows
+        total, out = 0, []
+        for param, inputs in sides:
+            rows = []
+            for i, item in enumerate(inputs):
+                where = f"{param}[{i}]" if len(inputs) > 1 else param
+                row = self._row(item, keep, where, param)
+                if len(row) > limit:
+                    raise InvalidRequest(f"`{where}` has {len(row):,} tokens; {self.model_id} takes at most "
+                                         f"{limit} per input (set `truncate_prompt_tokens` to cut longer inputs)",
+                                         param=param, code="context_length_exceeded")
+                total += len(row)
+                if total > MAX_TOTAL_TOKENS:
+                    raise InvalidRequest(f"`{param}` brings the request past {MAX_TOTAL_TOKENS:,} tokens in all"
+                                         f"{' (every side counted)' if len(sides) > 1 else ''}, the most one "
+                                         "request may (MAX_TOTAL_TOKENS); split it", param=param,
+                                         code="too_many_tokens")
+                rows.append(row)
+            out.append(rows)
+        return out
+
+    def _row(self, item: str | list[int] | tuple[str, str], keep: int | None, where: str, param: str) -> list[int]:
+        if isinstance(item, tuple):  # a cross-encoder's (first, second) pair
+            if not item[0] or not item[1]:
+                raise InvalidRequest(f"`{where}` pairs an empty string; every text needs words", param=param)
+            return self.lm.encode_pair(*item, keep)
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequest(f"`{where}` is an empty string; every input needs text", param=param)
+            return self.lm.encode_text(item, keep)
+        if not item:
+            raise InvalidRequest(f"`{where}` is an empty token list", param=param)
+        if bad := [t for t in item if t >= self.lm.vocab_size]:
+            raise InvalidRequest(f"`{where}` has token ids outside the vocabulary: {bad[:5]}", param=param)
+        return list(item) if keep is None else self.lm.cut_ids(item, keep)
 
     async def _embed(self, rows: list[list[int]], endpoint: str, request: Request) -> torch.Tensor:
         tokens = sum(len(r) for r in rows)
         request.state.prompt_tokens = tokens  # the access log's `prompt=`
-        vectors = torch.stack(await self.engine.embed(rows))  # [rows, H]
+        deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
+                                      self.queue_timeout_s, self.request_timeout_s)
+        vectors = torch.stack(await self.engine.embed(rows, deadlines))  # [rows, H]
         self.metrics.embedding_requests.labels(endpoint).inc()
         self.metrics.embedding_tokens.inc(tokens)
         self.metrics.embedding_inputs.inc(len(rows))
