@@ -210,6 +210,23 @@ def test_the_access_log_line_names_the_adapter_served(server, caplog):
     assert line["model"] == "alpha"
 
 
+@pytest.mark.full
+def test_the_trace_span_names_the_adapter_served(adapters, tiny_tokenizer, monkeypatch):
+    pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra")
+    from test_tracing import Receiver, attributes
+
+    receiver = Receiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: export soon after the request
+    try:
+        with ThreadServer(create_app(lora_settings(adapters[0]), lm=fresh_lm(tiny_tokenizer))) as running:
+            assert complete(running, "alpha").status_code == 200
+            [(_, span)] = receiver.wait_for("text_completion alpha")
+            assert attributes(span.attributes)["gen_ai.request.model"] == "alpha"
+    finally:
+        receiver.server.shutdown()
+
+
 def test_loading_needs_the_api_key(server, adapters):
     body = {"lora_name": "beta", "lora_path": "beta"}
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60).status_code == 401
