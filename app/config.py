@@ -65,7 +65,8 @@ class Settings(BaseSettings):
                                        "the same key, so tenants cannot probe each other's prompts through "
                                        "`cached_tokens` (off: the keys share the cache)")
     metrics_require_key: bool = Field(False, description="/metrics needs an API key too (off: open to scrapers; "
-                                      "it shows server-wide counts, docs/limits.md says which)")
+                                      "it shows server-wide counts, docs/limits.md says which); needs API_KEY "
+                                      "(refused at start without it)")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
