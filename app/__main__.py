@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from app.config import Settings
 from app.errors import ServeError
 from app.flags import add_settings_flags, settings_from
@@ -85,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (parameter: {err.param})" if err.param else ""
         print(f"error: {err.message}{where}", file=sys.stderr)
         return 2
-    except ValueError as err:  # pydantic's ValidationError names the setting
+    except ValidationError as err:  # each problem, naming its setting; never pydantic's echo of the inputs,
+        for problem in err.errors():  # which would print API_KEY to the terminal
+            setting = ".".join(str(part) for part in problem["loc"])
+            message = problem["msg"].removeprefix("Value error, ")
+            print(f"error: {setting + ': ' if setting else ''}{message}", file=sys.stderr)
+        return 2
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

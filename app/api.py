@@ -68,7 +68,8 @@ def require_api_key(request: Request, state: State) -> None:
         tenant = state.api_keys.tenant(bearer, request.headers.get("x-api-key", "").strip())
     if tenant is None:
         raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
-    request.state.api_tenant = tenant  # who owns what a request creates (files and batches: app/batch/)
+    # who owns what it creates: LoRA adapters (app/models/lora.py), files and batches (app/batch/)
+    request.state.tenant = tenant
     if state.settings.prefix_cache_per_key:
         request.state.cache_tenant = tenant  # the serving layer salts the prefix cache with it
 
@@ -230,6 +231,11 @@ async def list_models(state: State) -> dict:
     return {"object": "list", "data": [model, *adapter_models(state.adapters, state.settings.model_id)]}
 
 
+def tenant_of(request: Request) -> str:
+    # "" when no key is set (runtime loading is refused at start then): never None, the start-up adapters' owner
+    return getattr(request.state, "tenant", "")
+
+
 def require_runtime_loading(state: State) -> None:
     runtime_adapters(state.adapters)  # 404 when LORA_RUNTIME_LOADING is off, before the body is read
     # (a route's own dependencies run after the router's API-key check and before its body's)
@@ -237,14 +243,14 @@ def require_runtime_loading(state: State) -> None:
 
 @router.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoraAdapterRequest),
              dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
-async def load_lora_adapter(body: LoadLoraBody, state: State) -> dict:
-    return await load_adapter(runtime_adapters(state.adapters), body)
+async def load_lora_adapter(body: LoadLoraBody, request: Request, state: State) -> dict:
+    return await load_adapter(runtime_adapters(state.adapters), body, tenant_of(request))
 
 
 @router.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoraAdapterRequest),
              dependencies=[Depends(require_runtime_loading), Depends(get_serving)])
-async def unload_lora_adapter(body: UnloadLoraBody, state: State) -> dict:
-    return unload_adapter(runtime_adapters(state.adapters), body)
+async def unload_lora_adapter(body: UnloadLoraBody, request: Request, state: State) -> dict:
+    return unload_adapter(runtime_adapters(state.adapters), body, tenant_of(request))
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))

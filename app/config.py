@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.auth import split_keys
+
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 PrepackMode = Literal["auto", "true", "false"]
 
@@ -63,7 +65,8 @@ class Settings(BaseSettings):
                                        "the same key, so tenants cannot probe each other's prompts through "
                                        "`cached_tokens` (off: the keys share the cache)")
     metrics_require_key: bool = Field(False, description="/metrics needs an API key too (off: open to scrapers; "
-                                      "it shows server-wide counts, docs/limits.md says which)")
+                                      "it shows server-wide counts, docs/limits.md says which); needs API_KEY "
+                                      "(refused at start without it)")
     max_active: int = Field(8, ge=1, description="sequences decoded at once")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond max_active before 429")
     prefill_tokens_per_step: int | None = Field(None, ge=16, description="prompt tokens prefilled per engine step "
@@ -90,8 +93,13 @@ class Settings(BaseSettings):
                            "is unloaded)")
     max_lora_rank: int = Field(16, ge=1, description="highest LoRA rank an adapter may have (400 past it)")
     lora_runtime_loading: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
-                                       "/v1/unload_lora_adapter (behind the API key); off: both answer 404. A path "
-                                       "they name is read on the server: trust whoever holds a key")
+                                       "/v1/unload_lora_adapter; needs API_KEY and LORA_ADAPTER_ROOT (refused at "
+                                       "start without them); off: both answer 404. An adapter loaded at runtime "
+                                       "belongs to the key that loaded it: only that key can replace or unload it")
+    lora_adapter_root: Path | None = Field(None, description="the one directory runtime loading reads adapters "
+                                           "from: a `lora_path` is taken relative to it, resolved (symlinks and "
+                                           "`..` followed) and refused unless it lands inside it (LORA_MODULES "
+                                           "may point anywhere)")
     max_model_len: int | None = Field(None, ge=16, description="context window (default: the model's)")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "
@@ -187,6 +195,24 @@ class Settings(BaseSettings):
         if len(self.lora_modules) > self.max_loras:
             raise ValueError(f"LORA_MODULES names {len(self.lora_modules)} adapters, more than MAX_LORAS="
                              f"{self.max_loras}")
+        return self
+
+    @model_validator(mode="after")
+    def _no_setting_without_what_it_needs(self) -> Settings:
+        # A setting that cannot take effect is refused rather than ignored: METRICS_REQUIRE_KEY without a key
+        # would leave /metrics open while the operator believes it closed.
+        keyed = bool(split_keys(self.api_key))
+        if self.metrics_require_key and not keyed:
+            raise ValueError("METRICS_REQUIRE_KEY=true needs API_KEY: without a key there is nothing to require and "
+                             "/metrics would stay open; set API_KEY, or METRICS_REQUIRE_KEY=false")
+        if self.lora_runtime_loading and not keyed:
+            raise ValueError("LORA_RUNTIME_LOADING=true needs API_KEY: without a key anyone could make the server "
+                             "read adapters and unload everyone's; set API_KEY, or LORA_RUNTIME_LOADING=false")
+        if self.lora_runtime_loading and self.lora_adapter_root is None:
+            raise ValueError("LORA_RUNTIME_LOADING=true needs LORA_ADAPTER_ROOT, the one directory runtime loads "
+                             "may read from; set it, or LORA_RUNTIME_LOADING=false")
+        if self.lora_adapter_root is not None and not self.lora_runtime_loading:
+            raise ValueError("LORA_ADAPTER_ROOT applies only with LORA_RUNTIME_LOADING=true; set both or neither")
         return self
 
     @property

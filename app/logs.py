@@ -20,6 +20,7 @@ import logging
 import re
 import traceback
 from datetime import datetime, timezone
+from typing import Any
 
 HEAD_FRAMES = 60  # distinct lines: a route's whole way down (about 35) and more
 TAIL_FRAMES = 12
@@ -91,6 +92,14 @@ class LogFormatter(logging.Formatter):
 
     def formatException(self, ei) -> str:  # noqa: N802 (logging's name)
         return bounded_traceback(ei[1]) if ei[1] is not None else ""
+
+
+def served_model(info: dict[str, Any], base_id: str) -> str:
+    """The model a request's answer names (its request.state `info`): the LoRA adapter it ran with, else the base.
+    The access line and the trace's span say the same."""
+    choices = info.get("choices") or []
+    adapter = getattr(choices[0].handle, "adapter", None) if choices else None
+    return adapter.name if adapter is not None else base_id
 
 
 # The access line's fields (app/main.py `AccessAndLimits._log`), written where a record has them.

@@ -28,7 +28,7 @@ from app.batch.service import open_batch_service
 from app.batch.store import Store, StoreError
 from app.config import Settings
 from app.errors import ConfigError, ServeError
-from app.logs import escape_controls
+from app.logs import escape_controls, served_model
 from app.request_id import current as current_request_id, request_id_from
 from app.models.loading import LoadedModel
 from app.openai.serving import error_body
@@ -268,7 +268,8 @@ class AccessAndLimits:
                  f" ttft={ttft:.3f}s" if ttft is not None else "", duration,
                  extra={"cancelled": info.get("cancelled", False), "request_id": info.get("x_request_id"),
                         "method": scope.get("method"), "path": path, "status": status,
-                        "model": self.state.settings.model_id if "prompt_tokens" in info else None,
+                        "model": served_model(info, self.state.settings.model_id)
+                        if "prompt_tokens" in info else None,
                         "prompt_tokens": info.get("prompt_tokens"), "completion_tokens": info.get("completion_tokens"),
                         "ttft_s": round(ttft, 6) if ttft is not None else None, "duration_s": round(duration, 6),
                         "finish_reason": (reasons[0] if len(reasons) == 1 else reasons) if reasons else None})

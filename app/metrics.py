@@ -1,8 +1,15 @@
-"""Prometheus metrics. Each app gets its own registry, so tests can build many apps in one process."""
+"""Prometheus metrics. Each app gets its own registry, so tests can build many apps in one process.
+
+Label values come from the server's own vocabulary (endpoints, statuses, finish reasons), except the LoRA
+adapters' names, which clients choose: those series are read from the adapters loaded at each scrape
+(`AdapterSeries`), so an unloaded adapter's series leaves /metrics with it and the set stays within MAX_LORAS + 1.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from app.gateway_metrics import add_gateway_metrics
 
@@ -66,11 +73,49 @@ class Metrics:
         self.embedding_tokens = Counter(f"{PREFIX}_embedding_tokens", "tokens run through an embedding model",
                                         registry=r)
         self.embedding_inputs = Counter(f"{PREFIX}_embedding_inputs", "texts (or token lists) embedded", registry=r)
-        self.adapter_requests = Counter(f"{PREFIX}_lora_requests", "requests submitted, by LoRA adapter (\"\": the "
-                                        "base model)", ["adapter"], registry=r)
-        self.adapter_tokens = Counter(f"{PREFIX}_lora_generated_tokens", "tokens generated, by LoRA adapter (\"\": "
-                                      "the base model)", ["adapter"], registry=r)
+        self.adapter_series = AdapterSeries()
+        r.register(self.adapter_series)
         add_gateway_metrics(self, r)  # KV usage 0..1, cache info, and vLLM-named aliases for endpoint pickers
+
+
+class AdapterSeries(Collector):
+    """`lora_requests` and `lora_generated_tokens` by adapter, "" the base model. An adapter's counts live on it
+    (app/models/lora.py `LoraAdapter`), so its series exist while it is loaded: 20 load / use / unload cycles under
+    fresh names leave none behind. A request still running with an unloaded adapter counts on its own copy."""
+
+    def __init__(self) -> None:
+        self.adapters = None  # app.models.lora.LoraAdapters, once the server has one
+        # each written by one thread only: submits on the event loop, tokens on the engine's thread
+        self.base_requests = self.base_tokens = 0
+
+    def count_request(self, adapter) -> None:
+        if adapter is None:
+            self.base_requests += 1
+        else:
+            adapter.requests += 1
+
+    def count_token(self, adapter) -> None:
+        if adapter is None:
+            self.base_tokens += 1
+        else:
+            adapter.generated_tokens += 1
+
+    def collect(self):
+        requests = CounterMetricFamily(f"{PREFIX}_lora_requests", "requests submitted, by LoRA adapter (\"\": the "
+                                       "base model; an adapter's series leave with it when it is unloaded)",
+                                       labels=["adapter"])
+        tokens = CounterMetricFamily(f"{PREFIX}_lora_generated_tokens", "tokens generated, by LoRA adapter (\"\": "
+                                     "the base model)", labels=["adapter"])
+        requests.add_metric([""], self.base_requests)
+        tokens.add_metric([""], self.base_tokens)
+        for adapter in self.adapters.loaded() if self.adapters is not None else []:
+            requests.add_metric([adapter.name], adapter.requests)
+            tokens.add_metric([adapter.name], adapter.generated_tokens)
+        yield requests
+        yield tokens
+
+
+UNSCRAPED = Metrics()  # where the server's own generations count (warm-up, /health/generate): no /metrics shows it
 
 
 def parse_samples(text: str) -> dict[str, float]:

@@ -6,7 +6,8 @@ HEALTH_GENERATE_TIMEOUT_S (the bound):
 - busy (requests queued or running): its steps are the proof. 200 while the step now running began, or the last
   one ended, within the bound; no generation is added, so the probe never queues behind a burst and answers at once.
 - idle: a step ended within the bound, or a one-token greedy generation completes now within it (concurrent probes
-  share one generation).
+  share one generation). That generation is not traffic: it stays out of the request metrics (TTFT, tokens,
+  finish reasons), so an idle server's dashboards show no requests.
 - 503 otherwise, and once the engine has died. While the model loads there is no engine to prove yet: 200 with
   status "loading" (a failed load exits the process; /ready gates traffic meanwhile).
 """
@@ -57,7 +58,7 @@ class GenerateProbe:
             await state.engine.embed([state.probe_prompt])
             return
         handle = state.engine.submit(state.probe_prompt, SamplingParams(max_tokens=1, do_sample=False),
-                                     "health-probe", deadline=time.perf_counter() + self.bound_s)
+                                     "health-probe", deadline=time.perf_counter() + self.bound_s, traffic=False)
         try:
             async for _ in handle:
                 pass

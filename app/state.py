@@ -69,7 +69,9 @@ class ServerState:
             self.kind = "embedding" if serves_embeddings(settings.model) else "chat"
         # LoRA: adapters by name (app/models/lora.py); None: the model's linears stay as loaded
         self.adapters = (LoraAdapters(settings.model_id, settings.lora_modules, settings.max_loras,
-                                      settings.max_lora_rank, settings.lora_runtime_loading) if settings.lora else None)
+                                      settings.max_lora_rank, settings.lora_runtime_loading,
+                                      settings.lora_adapter_root) if settings.lora else None)
+        self.metrics.adapter_series.adapters = self.adapters  # their series live and leave with them
         self.engine: Engine | EmbeddingEngine | None = None
         self.serving: CompletionServing | None = None
         self.embedding: EmbeddingServing | None = None
@@ -159,7 +161,8 @@ class ServerState:
 
     async def _warm_up(self) -> None:
         """One short greedy generation, so the first real request does not pay for lazy initialisation."""
-        handle = self.engine.submit(self.lm.encode_text("Hello"), SamplingParams(max_tokens=2, do_sample=False))
+        handle = self.engine.submit(self.lm.encode_text("Hello"), SamplingParams(max_tokens=2, do_sample=False),
+                                    traffic=False)  # not a request: kept out of the request metrics
         async for _ in handle:
             pass
 

@@ -21,6 +21,8 @@ import os
 import time
 from typing import Any
 
+from app.logs import served_model
+
 log = logging.getLogger("app.tracing")
 EXPORT_TIMEOUT_S = 2.0
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/responses": "chat", "/v1/messages": "chat",
@@ -70,7 +72,8 @@ class Tracing:
             return None if t is None else arrived_ns + int((t - arrived) * 1e9)
 
         operation = OPERATIONS.get(scope.get("path"), "chat")
-        model = scope["app"].state.serve.settings.model_id if "app" in scope else None
+        # the adapter the request ran with, as its answer's `model` says, else the base
+        model = served_model(info, scope["app"].state.serve.settings.model_id) if "app" in scope else None
         sampling, choices = info.get("sampling"), info.get("choices") or []
         attributes: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                                       "http.request.method": scope.get("method"), "url.path": scope.get("path"),

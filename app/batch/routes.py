@@ -30,7 +30,7 @@ Limit = Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)]
 
 
 def tenant(request: Request) -> str | None:
-    return getattr(request.state, "api_tenant", None)
+    return getattr(request.state, "tenant", None)
 
 
 @router.post("/v1/files")

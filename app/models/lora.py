@@ -10,10 +10,16 @@ own low-rank product (app/models/lora_layers.py), so requests of several adapter
 An adapter is read and checked whole before it is registered, so a bad one changes nothing already loaded. A
 request holds its `LoraAdapter` (its weights with it) for as long as it runs: unloading only forgets the name.
 
-What is refused, with a message naming it: a missing path, a directory that is not a peft LoRA adapter, a module
-this model does not have as a linear layer of its body, shapes that differ from the base's, a rank above
-MAX_LORA_RANK, and peft options this loop does not apply (DoRA, trained biases, `modules_to_save`, per-module
-rank or alpha patterns, embedding adapters).
+What is refused, with a message naming it: a module this model does not have as a linear layer of its body, shapes
+that differ from the base's, a rank above MAX_LORA_RANK, and peft options this loop does not apply (DoRA, trained
+biases, `modules_to_save`, per-module rank or alpha patterns, embedding adapters). A path with nothing loadable
+there (missing, not a peft LoRA adapter, unreadable) is refused too: by name for the operator's LORA_MODULES, but
+for a client's runtime load with one message whatever the cause, as for a path outside LORA_ADAPTER_ROOT, so that
+loading is no oracle for what exists on the server's disk.
+
+Ownership: an adapter loaded at runtime belongs to the tenant (API key) that loaded it, and only that tenant may
+replace (`load_inplace`) or unload it; the start-up adapters belong to no tenant, and none may. Every key may
+select any loaded adapter by name, as in vLLM, whose adapters are global too.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from app.errors import InvalidRequest, ModelNotFound
+from app.errors import InvalidRequest, ModelNotFound, ServeError
 from app.models.lora_layers import wrap_linears
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -44,27 +50,69 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r]), model dtype
     # unique per load: salts the prefix cache, so a reload under the same name never reuses the old one's KV
     key: str = field(default_factory=lambda: f"lora-{next(_serials)}")
+    owner: str | None = None  # the tenant that loaded it at runtime; None: a start-up adapter, no tenant's
+    # what /metrics shows for it (app/metrics.py `AdapterSeries`): kept here, so its series leave with it
+    requests: int = 0
+    generated_tokens: int = 0
+
+
+class AdapterNotLoadable(InvalidRequest):
+    """Nothing loadable at the path: missing, not a peft LoRA adapter, unreadable. A runtime load says only that."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="lora_path", code="invalid_lora_adapter")
+
+
+class AdapterNotYours(ServeError):
+    status = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="lora_name", code="adapter_not_owned")
 
 
 def _refuse(message: str) -> InvalidRequest:
     return InvalidRequest(message, param="lora_path", code="invalid_lora_adapter")
 
 
+def not_loadable(name: str, path: str) -> AdapterNotLoadable:
+    """The one answer a runtime load gets for a path with nothing loadable, whatever the cause."""
+    return AdapterNotLoadable(f"adapter {name!r}: no loadable peft LoRA adapter at {path[:256]!r} (the path must "
+                              "name a directory under LORA_ADAPTER_ROOT holding adapter_config.json and "
+                              "adapter_model.safetensors, readable by the server)")
+
+
+def confined(root: Path, path: str) -> Path | None:
+    """`path` (relative to `root`, or absolute) resolved, symlinks and `..` followed; None unless inside `root`."""
+    try:
+        resolved = (root / path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        return None
+    return resolved if resolved.is_relative_to(root) else None
+
+
 def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> LoraAdapter:
     """Read and check one adapter directory. `targets`: the model's adaptable linears, name -> (in, out)."""
-    where = Path(path)
+    try:
+        return _read_adapter(name, Path(path), path, targets, max_rank, dtype, device)
+    except OSError as err:  # permission denied, say, anywhere below
+        raise AdapterNotLoadable(f"adapter {name!r}: {path!r} cannot be read: {err.strerror or err}") from None
+
+
+def _read_adapter(name: str, where: Path, path: str, targets: dict[str, tuple[int, int]], max_rank: int,
+                  dtype: torch.dtype, device: torch.device) -> LoraAdapter:
     if not where.exists():
-        raise _refuse(f"adapter {name!r}: the path {path!r} does not exist on the server")
+        raise AdapterNotLoadable(f"adapter {name!r}: the path {path!r} does not exist on the server")
     if not (where / CONFIG_FILE).is_file():
-        raise _refuse(f"adapter {name!r}: {path!r} is not a peft adapter (no {CONFIG_FILE})")
+        raise AdapterNotLoadable(f"adapter {name!r}: {path!r} is not a peft adapter (no {CONFIG_FILE})")
     try:
         config = json.loads((where / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise _refuse(f"adapter {name!r}: {CONFIG_FILE} cannot be read: {err}") from None
+    except ValueError as err:
+        raise AdapterNotLoadable(f"adapter {name!r}: {CONFIG_FILE} cannot be read: {err}") from None
     if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
-        raise _refuse(f"adapter {name!r}: {path!r} is not a LoRA adapter (peft_type "
-                      f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
+        raise AdapterNotLoadable(f"adapter {name!r}: {path!r} is not a LoRA adapter (peft_type "
+                                 f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise _refuse(f"adapter {name!r}: {CONFIG_FILE} needs a positive integer `r` and a number `lora_alpha`")
@@ -79,11 +127,12 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_
     if unsupported:
         raise _refuse(f"adapter {name!r} uses peft options this server does not apply: {', '.join(unsupported)}")
     if not (where / WEIGHTS_FILE).is_file():
-        raise _refuse(f"adapter {name!r}: no {WEIGHTS_FILE} in {path!r} (only peft's safetensors format is read)")
+        raise AdapterNotLoadable(f"adapter {name!r}: no {WEIGHTS_FILE} in {path!r} (only peft's safetensors format "
+                                 "is read)")
     try:
         tensors = load_file(str(where / WEIGHTS_FILE))
     except Exception as err:  # noqa: BLE001 - a corrupt file is the caller's to fix
-        raise _refuse(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read: {err}") from None
+        raise AdapterNotLoadable(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read: {err}") from None
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraAdapter(name, path, rank, float(scale), _pairs(name, tensors, targets, rank, dtype, device))
 
@@ -119,12 +168,14 @@ class LoraAdapters:
     """The adapters a server holds, by name: at most `max_loras` resident, each of rank at most `max_rank`.
 
     `attach` (on the engine's thread, once the model is loaded) makes the model's linears adaptable and loads the
-    start-up adapters; `load` and `unload` may then run on any thread, while the engine runs passes."""
+    start-up adapters; `load` and `unload` may then run on any thread, while the engine runs passes. `root`
+    (LORA_ADAPTER_ROOT): where `load` may read from; None: anywhere, with each problem named (the library's use)."""
 
     def __init__(self, base_id: str, modules: dict[str, str] | None = None, max_loras: int = 4, max_rank: int = 16,
-                 runtime_loading: bool = False):
+                 runtime_loading: bool = False, root: str | Path | None = None):
         self.base_id, self.startup = base_id, dict(modules or {})
         self.max_loras, self.max_rank, self.runtime_loading = max_loras, max_rank, runtime_loading
+        self.root = Path(root).resolve() if root is not None else None
         self._by_name: dict[str, LoraAdapter] = {}
         self._lock = threading.Lock()  # registration only: a load reads its files outside it
         self._targets: dict[str, tuple[int, int]] = {}
@@ -136,31 +187,67 @@ class LoraAdapters:
         self._dtype = param.dtype if param.is_floating_point() else torch.float32
         self._device = param.device
         for name, path in self.startup.items():
-            self.load(name, path)
+            self._add(name, path, owner=None, replace=False)
 
-    def load(self, name: str, path: str) -> LoraAdapter:
+    def load(self, name: str, path: str, owner: str | None = None, replace: bool = False) -> LoraAdapter:
+        """Load `name` from `path` for `owner` (a tenant id); `replace`: swap an adapter of that name the owner
+        loaded (vLLM's `load_inplace`). Under a `root`, anything not loadable there gets one message."""
+        if self.root is None:
+            return self._add(name, path, owner, replace)
+        where = confined(self.root, path)
+        if where is None:
+            raise not_loadable(name, path)
+        try:
+            return self._add(name, str(where), owner, replace, shown_path=path)
+        except AdapterNotLoadable:
+            raise not_loadable(name, path) from None
+
+    def _add(self, name: str, path: str, owner: str | None, replace: bool, shown_path: str | None = None
+             ) -> LoraAdapter:
         if not name or name == self.base_id:
             raise InvalidRequest(f"an adapter cannot be named {name!r}", param="lora_name")
         with self._lock:
-            self._check_room(name)
+            self._check_room(name, owner, replace)
         adapter = read_adapter(name, path, self._targets, self.max_rank, self._dtype, self._device)
+        adapter.path, adapter.owner = shown_path or path, owner
         with self._lock:  # checked again: another load may have taken the name or the room meanwhile
-            self._check_room(name)
+            old = self._check_room(name, owner, replace)
+            if old is not None:  # its counts go on under the same name; requests running with it keep it
+                adapter.requests, adapter.generated_tokens = old.requests, old.generated_tokens
             self._by_name[name] = adapter
         return adapter
 
-    def _check_room(self, name: str) -> None:
-        if name in self._by_name:
-            raise InvalidRequest(f"an adapter named {name!r} is already loaded; unload it first", param="lora_name")
-        if len(self._by_name) >= self.max_loras:
+    def _check_room(self, name: str, owner: str | None, replace: bool) -> LoraAdapter | None:
+        """The adapter `name` would replace, if any; raises if it may not be loaded."""
+        old = self._by_name.get(name)
+        if old is not None and not replace:
+            raise InvalidRequest(f"an adapter named {name!r} is already loaded; unload it first, or send "
+                                 "`load_inplace: true` to replace it", param="lora_name")
+        if old is not None:
+            self._check_owner(old, owner, "replace")
+        elif len(self._by_name) >= self.max_loras:
             raise InvalidRequest(f"{len(self._by_name)} adapters are loaded, MAX_LORAS={self.max_loras}; unload one "
                                  "first", param="lora_name")
+        return old
 
-    def unload(self, name: str) -> None:
-        """Forget `name`; requests already running with it keep its weights until they end."""
+    @staticmethod
+    def _check_owner(adapter: LoraAdapter, owner: str | None, verb: str) -> None:
+        if adapter.owner == owner:
+            return
+        if adapter.owner is None:
+            raise AdapterNotYours(f"adapter {adapter.name!r} was loaded at start (LORA_MODULES): no API key may "
+                                  f"{verb} it")
+        raise AdapterNotYours(f"adapter {adapter.name!r} was loaded under another API key: only that key may "
+                              f"{verb} it")
+
+    def unload(self, name: str, owner: str | None = None) -> None:
+        """Forget `name` (if `owner` may); requests already running with it keep its weights until they end."""
         with self._lock:
-            if self._by_name.pop(name, None) is None:
+            adapter = self._by_name.get(name)
+            if adapter is None:
                 raise ModelNotFound(f"no adapter named {name!r} is loaded", param="lora_name")
+            self._check_owner(adapter, owner, "unload")
+            del self._by_name[name]
 
     def get(self, name: str) -> LoraAdapter | None:
         with self._lock:

@@ -1,8 +1,10 @@
 """LoRA adapters over HTTP, as vLLM serves them: `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` with
-vLLM's bodies (`lora_name`, `lora_path`), and the adapters' entries in `/v1/models`, each with its base as
-`parent`. The routes exist only with LORA_RUNTIME_LOADING=true: a path in a request is read on the server, so
-loading is an operator's choice (404 otherwise, as for a route that is not there). A request then selects an
-adapter by naming it in `model` (app/openai/serving.py's `check_model`)."""
+vLLM's bodies (`lora_name`, `lora_path`, `load_inplace`), and the adapters' entries in `/v1/models`, each with its
+base as `parent` and no path. The routes exist only with LORA_RUNTIME_LOADING=true, which needs API_KEY and
+LORA_ADAPTER_ROOT (app/config.py): a `lora_path` is read on the server, from under that root only (404 otherwise,
+as for a route that is not there). The tenant (the API key) that loads an adapter owns it: only it may replace or
+unload it (app/models/lora.py). A request then selects an adapter by naming it in `model`
+(app/openai/serving.py's `check_model`)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from app.models.lora import LoraAdapters
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # vLLM clients may send more (`load_inplace`): accepted, not used
+    model_config = ConfigDict(extra="allow")  # vLLM clients may send more: accepted, not used
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+    # vLLM's: replace an adapter of this name (one this key loaded) in place; without it an existing name is a 400
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -41,21 +45,22 @@ def runtime_adapters(adapters: LoraAdapters | None) -> LoraAdapters:
     return adapters
 
 
-async def load_adapter(adapters: LoraAdapters, body: LoadLoraAdapterRequest) -> dict[str, Any]:
+async def load_adapter(adapters: LoraAdapters, body: LoadLoraAdapterRequest, tenant: str) -> dict[str, Any]:
     """Read and check the adapter off the event loop (its files may be large); 400 naming the problem."""
-    adapter = await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
-    return {"object": "lora_adapter", "lora_name": adapter.name, "lora_path": adapter.path, "rank": adapter.rank,
+    adapter = await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path, tenant, body.load_inplace)
+    return {"object": "lora_adapter", "lora_name": adapter.name, "lora_path": body.lora_path, "rank": adapter.rank,
             "status": "loaded"}
 
 
-def unload_adapter(adapters: LoraAdapters, body: UnloadLoraAdapterRequest) -> dict[str, Any]:
-    adapters.unload(body.lora_name)  # 404 naming it if it is not loaded; requests running with it finish
+def unload_adapter(adapters: LoraAdapters, body: UnloadLoraAdapterRequest, tenant: str) -> dict[str, Any]:
+    adapters.unload(body.lora_name, tenant)  # 404 if it is not loaded, 403 if not this key's; running requests finish
     return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}
 
 
 def adapter_models(adapters: LoraAdapters | None, base_id: str) -> list[dict[str, Any]]:
-    """The adapters' `/v1/models` entries, as vLLM lists them: `root` the path, `parent` the base model."""
+    """The adapters' `/v1/models` entries, as vLLM lists them but without `root`: where an adapter lies on the
+    server is no client's business."""
     if adapters is None:
         return []
-    return [{"id": a.name, "object": "model", "created": 0, "owned_by": "simple-serve", "root": a.path,
-             "parent": base_id} for a in adapters.loaded()]
+    return [{"id": a.name, "object": "model", "created": 0, "owned_by": "simple-serve", "parent": base_id}
+            for a in adapters.loaded()]

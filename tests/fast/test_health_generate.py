@@ -49,6 +49,32 @@ def test_an_idle_engine_proves_itself_with_one_token(make_tiny_server):
 
 
 @pytest.mark.full
+def test_the_probes_own_generation_is_not_counted_as_traffic(make_tiny_server):
+    from app.metrics import parse_samples
+
+    server = make_tiny_server(health_generate_timeout_s=0.2)
+
+    def traffic() -> dict[str, float]:
+        samples = parse_samples(httpx.get(server.url + "/metrics").text)
+        return {name: samples.get(name, 0.0) for name in (
+            "simple_serve_time_to_first_token_seconds_count", "simple_serve_generation_duration_seconds_count",
+            'simple_serve_generations_finished_total{reason="length"}', "simple_serve_completion_tokens_total",
+            "simple_serve_prompt_tokens_total", 'simple_serve_lora_requests_total{adapter=""}',
+            'simple_serve_lora_generated_tokens_total{adapter=""}', "simple_serve_prefix_cache_queried_tokens_total")}
+
+    time.sleep(0.3)  # past the bound: the probe must generate
+    assert probe(server).json() == {"status": "ok", "generated": True}
+    assert set(traffic().values()) == {0.0}  # nor the warm-up: an idle server has served nobody
+    r = httpx.post(server.url + CHAT, json=chat_body(max_tokens=3), timeout=30)
+    assert r.status_code == 200
+    counted = traffic()
+    assert counted["simple_serve_completion_tokens_total"] == 3
+    assert counted["simple_serve_time_to_first_token_seconds_count"] == 1
+    assert counted['simple_serve_generations_finished_total{reason="length"}'] == 1
+    assert counted["simple_serve_prompt_tokens_total"] == r.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.full
 def test_a_stalled_engine_turns_the_probe_503_while_health_stays_200(make_tiny_server, stall):
     server = make_tiny_server(health_generate_timeout_s=1.0)
     assert probe(server).status_code == 200

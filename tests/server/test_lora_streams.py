@@ -17,19 +17,30 @@ import httpx
 import pytest
 
 from conftest import free_port, wait_until_ready
-from test_adversarial import HEALTH_BOUND_S, HealthProbe, stream_text
+from test_adversarial import CHAT, HEALTH_BOUND_S, HealthProbe
 from test_lora import adapters  # noqa: F401 - the fixture: two peft adapters of the tiny model
 
 pytestmark = [pytest.mark.server, pytest.mark.alone]
 MODELS = ["tiny", "alpha", "beta", "tiny", "alpha", "beta", "alpha", "gamma"]  # gamma: loaded at runtime
+AUTH = {"Authorization": "Bearer lora-streams-key"}  # runtime loading needs API_KEY
+
+
+def stream_text(url: str, body: dict) -> str:
+    with httpx.stream("POST", url + CHAT, json={"model": "tiny", **body}, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
 
 
 def unload_midway(url: str, request: dict) -> tuple[str, int]:
     """Stream `request`, unloading its adapter once its first token has come; its text, and the unload's status."""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=request, headers=AUTH, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        status = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": request["model"]},
+        status = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": request["model"]}, headers=AUTH,
                             timeout=30).status_code
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
@@ -49,7 +60,8 @@ def server(tiny_dir, adapters, tmp_path_factory):  # noqa: F811 - `adapters` is 
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("lora-streams") / "serve.log"
     env = dict(os.environ, SERVED_MODEL_NAME="tiny", LORA_MODULES=f"alpha={paths['alpha']},beta={paths['beta']}",
-               LORA_RUNTIME_LOADING="true", MAX_LORA_RANK="8")
+               LORA_RUNTIME_LOADING="true", LORA_ADAPTER_ROOT=os.path.dirname(paths["alpha"]),
+               API_KEY=AUTH["Authorization"].removeprefix("Bearer "), MAX_LORA_RANK="8")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -68,7 +80,7 @@ def server(tiny_dir, adapters, tmp_path_factory):  # noqa: F811 - `adapters` is 
 def test_eight_streams_of_base_and_two_adapters_each_equal_their_solo_run(server, tmp_path):
     url, paths = server
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": paths["beta"]},
-                        timeout=30)
+                        headers=AUTH, timeout=30)
     assert loaded.status_code == 200, loaded.text
     solo = [stream_text(url, {"model": model, **body(i)}) for i, model in enumerate(MODELS)]
     assert solo[0] != solo[1] != solo[2]  # the adapters change the text
@@ -85,7 +97,8 @@ def test_eight_streams_of_base_and_two_adapters_each_equal_their_solo_run(server
         latencies = probe.latencies()
     assert unloaded == 200
     assert together == solo[:7] and text == solo[7]
-    assert httpx.post(f"{url}/v1/chat/completions", json={"model": "gamma", **body(7)}).status_code == 404
+    assert httpx.post(f"{url}/v1/chat/completions", json={"model": "gamma", **body(7)},
+                      headers=AUTH).status_code == 404
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     print(f"/health with 8 mixed adapter streams: {len(latencies)} probes, p99 {p99 * 1000:.1f} ms")
     assert len(latencies) > 20 and p99 < HEALTH_BOUND_S

@@ -44,7 +44,7 @@ from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.runner.static_step import build_decode_step
 from app.core.engine.step import StepRunner, default_prefill_tokens_per_step
-from app.metrics import Metrics
+from app.metrics import UNSCRAPED, Metrics
 from app.models.loading import LoadedModel
 from app.models.lora import LoraAdapter, LoraAdapters
 from app.core.sampling import SamplingParams
@@ -75,9 +75,6 @@ _malloc_trim = None  # libc's malloc_trim once looked up; False where there is n
 
 def _past(deadline: float | None, now: float) -> bool:
     return deadline is not None and now >= deadline
-def adapter_label(handle: RequestHandle) -> str:
-    """The `adapter` label of the per-adapter metrics: its name, "" for the base model."""
-    return handle.adapter.name if handle.adapter is not None else ""
 
 
 class Engine:
@@ -155,17 +152,18 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                queue_deadline: float | None = None, deadline: float | None = None,
-               adapter: LoraAdapter | None = None) -> RequestHandle:
+               adapter: LoraAdapter | None = None, traffic: bool = True) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent.
         The deadlines are `time.perf_counter()` times (see the module docstring). `adapter`: the LoRA adapter this
-        request runs with (the handle holds it to the end); None: the base model."""
+        request runs with (the handle holds it to the end); None: the base model. `traffic=False`: the server's
+        own generation (a probe), kept out of the request metrics (the gauges still see it: it holds a slot)."""
         if self.draining:
             raise ShuttingDown()
         max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
         kv_bytes = self.kv_budget.request_bytes(self.kv_layout, len(prompt_ids), max_new)  # 400 if it never fits
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
                                asyncio.get_running_loop(), kv_bytes=kv_bytes, queue_deadline=queue_deadline,
-                               deadline=deadline, adapter=adapter)
+                               deadline=deadline, adapter=adapter, metrics=self.metrics if traffic else UNSCRAPED)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead(f"the engine has stopped: {self.died!r}" if self.died else "the engine has stopped")
@@ -173,7 +171,7 @@ class Engine:
                 raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
                                  "retry shortly")
             self._enqueue(handle)
-            self.metrics.adapter_requests.labels(adapter=adapter_label(handle)).inc()
+            handle.metrics.adapter_series.count_request(handle.adapter)
             self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
         return handle
@@ -333,9 +331,9 @@ class Engine:
             self.kv_budget.release(handle)
             handle._deliver(DONE)  # whoever still iterates it (a failed choice's sibling, say) is not left waiting
             if handle.client_left:
-                self.metrics.cancellations.inc()
+                handle.metrics.cancellations.inc()
             else:
-                self.metrics.finished.labels("abort").inc()
+                handle.metrics.finished.labels("abort").inc()
 
     def _expire(self) -> None:
         """End the requests whose deadlines have passed (see the module docstring); called with the lock held."""
@@ -346,12 +344,12 @@ class Engine:
             handle.never_started = QueueTimeout(f"the request waited {now - handle.submitted_at:.1f} s for a "
                                                 "decode slot, past its limit, and was not started; retry shortly "
                                                 "or on another replica")
-            self.metrics.deadlines_exceeded.labels("queue").inc()
+            handle.metrics.deadlines_exceeded.labels("queue").inc()
             handle._deliver(handle.never_started)
         for handle, seq in [(h, s) for h, s in self._active if _past(h.deadline, now)]:
             text = seq.stop_filter.flush() if seq is not None else ""  # a held tail that never became a stop string
-            self.metrics.deadlines_exceeded.labels("run").inc()
-            self.metrics.finished.labels("timeout").inc()
+            handle.metrics.deadlines_exceeded.labels("run").inc()
+            handle.metrics.finished.labels("timeout").inc()
             handle._deliver(TokenEvent(token_id=NO_TOKEN, text=text, finish_reason="timeout"))
             self._finish(handle, DONE)  # its slot, its KV reservation; its Sequence (cache, grammar) is dropped
         if late:
@@ -366,7 +364,7 @@ class Engine:
             self._active, self._waiting = [], deque()
             for handle in handles:
                 self.kv_budget.release(handle)
-                self.metrics.finished.labels(reason).inc()
+                handle.metrics.finished.labels(reason).inc()
                 handle._deliver(err)
             self._admit()  # refreshes the gauges
 
@@ -374,7 +372,7 @@ class Engine:
         self._record(handle, event)
         handle._deliver(event)
         if event.finish_reason:
-            self.metrics.finished.labels(event.finish_reason).inc()
+            handle.metrics.finished.labels(event.finish_reason).inc()
             self._finish(handle, DONE)
 
     def _fail(self, handles: list[RequestHandle], err: Exception) -> None:
@@ -389,7 +387,7 @@ class Engine:
         error = err if isinstance(err, ServeError) else GenerationFailed(f"generation failed: {type(err).__name__}: "
                                                                          f"{err}")
         for handle in handles:
-            self.metrics.finished.labels("error").inc()
+            handle.metrics.finished.labels("error").inc()
             self._finish(handle, error)
 
     def _replace(self, handle: RequestHandle, seq: Sequence) -> None:
@@ -404,16 +402,16 @@ class Engine:
             self.kv_budget.release(handle)
             self.metrics.active_sequences.set(len(self._active))
             self.metrics.kv_cache_reserved.set(self.kv_budget.in_use)
-        self.metrics.request_duration.observe(time.perf_counter() - handle.submitted_at)
+        handle.metrics.request_duration.observe(time.perf_counter() - handle.submitted_at)
         handle._deliver(last)
 
     def _record(self, handle: RequestHandle, event: TokenEvent) -> None:
         now = time.perf_counter()
         if handle.first_token_at is None:
-            self.metrics.time_to_first_token.observe(now - handle.submitted_at)
+            handle.metrics.time_to_first_token.observe(now - handle.submitted_at)
         else:
-            self.metrics.inter_token_latency.observe(now - handle.last_token_at)
+            handle.metrics.inter_token_latency.observe(now - handle.last_token_at)
         handle.first_token_at = handle.first_token_at or now
         handle.last_token_at = now
-        self.metrics.completion_tokens.inc()
-        self.metrics.adapter_tokens.labels(adapter=adapter_label(handle)).inc()
+        handle.metrics.completion_tokens.inc()
+        handle.metrics.adapter_series.count_token(handle.adapter)

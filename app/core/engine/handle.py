@@ -66,6 +66,9 @@ class RequestHandle:
     # its 200, so that a queue timeout is still an HTTP error with Retry-After.
     left_queue: asyncio.Event = field(default_factory=asyncio.Event)
     adapter: Any = None  # app.models.lora.LoraAdapter: held until the request ends, even if it is unloaded meanwhile
+    # app.metrics.Metrics its own counts go to (tokens, latencies, finish reason): the server's, or for the server's
+    # own generations (warm-up, /health/generate) one nobody scrapes, so they are not counted as traffic
+    metrics: Any = None
 
     def cancel(self, client_left: bool = True) -> None:
         """Stop generating and free the cache. `client_left=False`: the server gave up on it (say, a sibling

@@ -208,7 +208,7 @@ class StepRunner:
         verifying k drafts; single rows are chosen together, drafts are checked request by request."""
         n_out = [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group]  # before the pass moves the caches on
         logits = self._forward(group) if self.leader is None else self.leader.forward(group, self._forward)
-        singles, single_rows, events, row, prompts_done = [], [], [], 0, 0
+        singles, single_rows, events, row, prompts_done = [], [], [], 0, []
         for (handle, seq, n, drafts), k in zip(group, n_out):
             rows, row = slice(row, row + k), row + k
             if seq.prompt_logprobs is not None and seq.n_generated == 0:
@@ -217,7 +217,7 @@ class StepRunner:
             if seq.prefilling:
                 continue  # a prefill chunk that was not the prompt's last: no token yet
             if seq.n_generated == 0:
-                prompts_done += seq.prompt_len
+                prompts_done.append((handle, seq.prompt_len))
                 self._remember(handle.prompt_ids, seq)
             if drafts:
                 try:
@@ -225,8 +225,8 @@ class StepRunner:
                 except Exception as err:  # noqa: BLE001 - one request's failure is its own
                     events.append((handle, seq, err))
                     continue
-                self.metrics.draft_tokens.inc(len(drafts))
-                self.metrics.accepted_tokens.inc(accepted)
+                handle.metrics.draft_tokens.inc(len(drafts))
+                handle.metrics.accepted_tokens.inc(accepted)
                 events += [(handle, seq, event) for event in verified]
             else:
                 singles.append((handle, seq))
@@ -236,7 +236,8 @@ class StepRunner:
         if len(single_rows) < logits.shape[0]:
             logits = logits[single_rows]  # only the rows still to choose: choose_many takes [B, vocab]
         chosen = choose_many([seq for _, seq in singles], logits, self.sampling_pool)
-        self.metrics.prompt_tokens.inc(prompts_done)  # once chosen: a pass retried after an OOM counts once
+        for handle, prompt_len in prompts_done:  # once chosen: a pass retried after an OOM counts once
+            handle.metrics.prompt_tokens.inc(prompt_len)
         return events + [(handle, seq, event) for (handle, seq), event in zip(singles, chosen)]
 
     def _forward(self, group: list[Work]) -> torch.Tensor:
@@ -251,12 +252,12 @@ class StepRunner:
         """Start a new request from the cached KV of the longest cached prefix of its prompt, if any."""
         if self.prefix_cache is None or seq.prompt_logprobs is not None:  # a scored prompt needs every position
             return
-        self.metrics.prefix_cache_queried.inc(seq.prompt_len)
+        handle.metrics.prefix_cache_queried.inc(seq.prompt_len)
         blocks = self.prefix_cache.match(handle.prompt_ids, prefix_salt(handle.params.cache_salt, handle.adapter))
         if blocks:
             seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
             handle.cached_tokens = seq.cache.get_seq_length()
-            self.metrics.prefix_cache_hits.inc(handle.cached_tokens)
+            handle.metrics.prefix_cache_hits.inc(handle.cached_tokens)
 
     def _remember(self, token_ids: list[int], seq: Sequence) -> None:
         """Offer a sequence's KV to the prefix cache (only its blocks not cached yet are copied). A shortcut: if it
