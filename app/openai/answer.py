@@ -92,7 +92,7 @@ class Choice:
         reasoning, content = "", event.text
         if self.splitter is not None:
             self.reasoning_tokens += is_token and self.splitter.state != "content"
-            reasoning, content = self.splitter.feed(event.text)
+            reasoning, content = self.splitter.feed(event.text, event.token_id)
             if event.finish_reason is not None:
                 more_reasoning, more_content = self.splitter.flush()
                 reasoning, content = reasoning + more_reasoning, content + more_content
