@@ -192,18 +192,27 @@ def test_harmony_reasoning_effort_reaches_the_template_not_a_budget():
     assert body.to_sampling_params({}, reasoning=qwen3).preamble.budget == 512, "others: effort is a budget"
 
 
-def test_reasoning_parser_setting_forces_or_turns_off_the_split():
-    """REASONING_PARSER=none serves a thinking model's answer as plain content; a name forces that format."""
+@pytest.mark.full
+def test_reasoning_parser_setting_forces_or_turns_off_the_split(caplog):
+    """REASONING_PARSER=none serves a thinking model's answer as plain content; a name forces that format; the
+    start log says which format serves."""
+    import logging
+
     import httpx
 
     from app.config import Settings
     from app.main import create_app
 
+    caplog.set_level(logging.INFO, logger="app.openai.serving")
     lm, _ = family_lm("deepseek_r1")
     body = {"model": "qwen3-tiny", "messages": QUESTION, "temperature": 0, "max_tokens": 30}
+    with ThreadServer(_app(lm)):
+        assert "reasoning parser: deepseek_r1 (REASONING_PARSER=auto)" in caplog.text
     with ThreadServer(create_app(Settings(model="qwen3-tiny", reasoning_parser="none"), lm=lm)) as server:
         message = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]
     assert message["content"] == "The Paris is</think>\n\nParis" and "reasoning_content" not in message
     with ThreadServer(create_app(Settings(model="qwen3-tiny", reasoning_parser="magistral"), lm=lm)) as server:
         message = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]
     assert message["content"] == "The Paris is</think>\n\nParis" and message["reasoning_content"] is None
+    assert "reasoning parser: none (REASONING_PARSER=none)" in caplog.text
+    assert "reasoning parser: magistral (REASONING_PARSER=magistral)" in caplog.text
