@@ -17,7 +17,8 @@ from app.openai.reasoning import granite, harmony
 
 MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "harmony": harmony.MARKERS,
            "magistral": ("[THINK]", "[/THINK]"), "granite": granite.OPENS + granite.CLOSES}
-CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"city": "Paris"}<|call|>')
 
 # (format, thinking, the model's text, its reasoning, its content)
 CASES = [
@@ -121,6 +122,19 @@ def test_special_markers_are_put_back_from_token_ids(special_tokenizer, name, th
     parts = [splitter.feed(detok.add(i), i) for i in ids]
     parts += [splitter.feed(detok.flush()), splitter.flush()]
     assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (reasoning, content)
+
+
+def test_markers_flagged_special_only_in_the_vocabulary_are_put_back():
+    """A tokenizer.json may flag a token special without listing it among the special tokens (`all_special_ids`);
+    decoding drops it all the same, so it is restored too."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("[THINK]", "[/THINK]")])
+    assert tokenizer.convert_tokens_to_ids("[THINK]") not in tokenizer.all_special_ids
+    fmt = PARSERS["magistral"].build(tokenizer)
+    detok, splitter = IncrementalDetokenizer(tokenizer), fmt.splitter(True)
+    parts = [splitter.feed(detok.add(i), i) for i in tokenizer.encode("[THINK]Hmm.[/THINK]4", add_special_tokens=False)]
+    parts += [splitter.feed(detok.flush()), splitter.flush()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == ("Hmm.", "4")
 
 
 def test_budget_ids_contain_the_end_for_every_format(special_tokenizer):

@@ -96,16 +96,18 @@ def budget_ids(tokenizer, end: str, before: str = "", after: str = "") -> tuple[
     """(end_ids, forced_ids): the forced text is encoded in pieces around the end marker, so that it contains
     `end_ids` exactly whatever the tokenizer merges (app/core/preamble.py requires it)."""
     end_ids = encode(tokenizer, end)
-    return end_ids, (encode(tokenizer, before) if before else ()) + end_ids + (encode(tokenizer, after) if after else ())
+    forced = (encode(tokenizer, before) if before else ()) + end_ids + (encode(tokenizer, after) if after else ())
+    return end_ids, forced
 
 
 def special_markers(tokenizer, texts: tuple[str, ...]) -> dict[int, str]:
-    """The markers among `texts` that are one special token each: decoding drops those, the splitter restores them."""
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    """The markers among `texts` that are one token each and that decoding drops (special tokens): the splitter
+    restores those. Asked of decode itself, since a token flagged special in tokenizer.json need not be among
+    `all_special_ids`."""
     out = {}
     for text in texts:
         ids = encode(tokenizer, text)
-        if len(ids) == 1 and ids[0] in special:
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":
             out[ids[0]] = text
     return out
 

@@ -2,7 +2,7 @@
 
 The generation prompt ends with `<|start|>assistant`, and the model writes messages, each a header, `<|message|>`,
 a body and an end marker:
-    <|channel|>analysis<|message|>…thinking…<|end|><|start|>assistant<|channel|>final<|message|>…answer…<|return|>
+    <|channel|>analysis<|message|>…thinking…<|end|><|start|>assistant<|channel|>final<|message|>…<|return|>
 Every marker is a special token, dropped by decoding, so the splitter puts them back from the token ids.
 `reasoning_effort` (low / medium / high) is the template's own switch ("Reasoning: low" in its system message), so it
 sets no token budget here; `max_reasoning_tokens` still does (the engine then writes
