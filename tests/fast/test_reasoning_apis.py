@@ -68,16 +68,23 @@ FAMILIES = {
 }
 
 
-def family_lm(name: str, forever: bool = False):
+def family_tokenizer(name: str):
     if FAMILIES[name] is None:
-        tokenizer = qwen3_tokenizer()
-        return scripted_lm(tokenizer, THINKS_FOREVER if forever else THINKS), {}
-    template, special, added, chain, chain_forever, eos, switch = FAMILIES[name]
+        return qwen3_tokenizer()
+    template, special, added = FAMILIES[name][:3]
     tokenizer = build_tiny_tokenizer()
     if special:
         tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.chat_template = template
+    return tokenizer
+
+
+def family_lm(name: str, forever: bool = False):
+    tokenizer = family_tokenizer(name)
+    if FAMILIES[name] is None:
+        return scripted_lm(tokenizer, THINKS_FOREVER if forever else THINKS), {}
+    chain, chain_forever, eos, switch = FAMILIES[name][3:]
     lm = scripted_lm(tokenizer, chain_forever if forever else chain)
     return dataclasses.replace(lm, eos_ids=(tokenizer.convert_tokens_to_ids(eos),)), switch
 
@@ -180,10 +187,11 @@ def test_budget_ends_the_thinking_in_each_format(name):
 
 
 def test_harmony_reasoning_effort_reaches_the_template_not_a_budget():
-    lm, _ = family_lm("harmony")
-    fmt = reasoning_format(lm.tokenizer)
+    tokenizer = family_tokenizer("harmony")
+    fmt = reasoning_format(tokenizer)
     body = ChatCompletionRequest(model="m", messages=QUESTION, reasoning_effort="low")
-    prompt = lm.tokenizer.decode(lm.encode_chat(body.chat_messages(), body.template_kwargs()))
+    prompt = tokenizer.apply_chat_template(body.chat_messages(), tokenize=False, add_generation_prompt=True,
+                                           **body.template_kwargs())
     assert "Reasoning: low" in prompt
     assert body.to_sampling_params({}, reasoning=fmt).preamble.budget is None, "gpt-oss decides how long it thinks"
     capped = ChatCompletionRequest(model="m", messages=QUESTION, reasoning_effort="low", max_reasoning_tokens=7)
