@@ -224,3 +224,13 @@ def test_reasoning_parser_setting_forces_or_turns_off_the_split(caplog):
     assert message["content"] == "The Paris is</think>\n\nParis" and message["reasoning_content"] is None
     assert "reasoning parser: none (REASONING_PARSER=none)" in caplog.text
     assert "reasoning parser: magistral (REASONING_PARSER=magistral)" in caplog.text
+
+
+def test_effort_none_turns_thinking_off_where_the_template_can_else_budgets_zero():
+    """Qwen3's template turns thinking off (`enable_thinking: false`); DeepSeek-R1's and gpt-oss's cannot, so the
+    engine ends the thinking at once (the splitter's suite shows an end marker at the start is an empty thinking)."""
+    body = ChatCompletionRequest(model="m", messages=QUESTION, reasoning_effort="none")
+    assert body.to_sampling_params({}, reasoning=reasoning_format(qwen3_tokenizer())).preamble is None
+    for name in ("deepseek_r1", "harmony"):
+        fmt = reasoning_format(family_tokenizer(name))
+        assert fmt.name == name and body.to_sampling_params({}, reasoning=fmt).preamble.budget == 0
