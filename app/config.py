@@ -172,6 +172,10 @@ class Settings(BaseSettings):
                                                  "the request id and the access line's fields")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    reasoning_parser: str = Field("auto", description="how answers are split into thinking and content: auto (from "
+                                  "the chat template and special tokens; the start log says which), none (all "
+                                  "content), or one of deepseek_r1, granite, harmony, magistral, qwen3 "
+                                  "(docs/reasoning.md)")
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -238,6 +242,13 @@ class Settings(BaseSettings):
     @classmethod
     def _prepack_mode(cls, value: object) -> object:
         return prepack_mode(value)
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str) -> str:
+        from app.openai.reasoning import check_parser_name  # the names live with the parsers
+
+        return check_parser_name(value)
 
     @field_validator("log_level", mode="before")
     @classmethod

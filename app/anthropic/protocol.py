@@ -13,7 +13,8 @@ parameters, grammar, engine and parsers serve it. The mapping:
     `parallel_tool_calls: false`;
   * `output_config.format` (structured outputs, a JSON schema) -> `response_format` json_schema, under the grammar;
   * `thinking` (only for a model that thinks): `enabled` -> `max_reasoning_tokens = budget_tokens`; `adaptive` ->
-    thinking capped by `output_config.effort` if given; `disabled` or absent -> `enable_thinking: false` (Claude
+    thinking capped by `output_config.effort` if given; both also set the template switch `thinking: true` (Granite's,
+    DeepSeek-V3.1's); `disabled` or absent -> `enable_thinking: false` (Claude
     does not think unless asked). `budget_tokens` may be below Anthropic's minimum of 1,024: small models think less.
     A model that does not think accepts `thinking` and ignores it (vLLM ignores it for every model): agents such as
     Claude Code send it by default, and a 400 would stop them.
@@ -316,6 +317,8 @@ def chat_thinking(thinking: ThinkingConfig | None, effort: str | None) -> dict[s
     switches. "xhigh" and "max" effort set no cap."""
     if thinking is None or thinking.type == "disabled":
         return {"chat_template_kwargs": {"enable_thinking": False}}
+    # the switch of templates that think only when asked (Granite, DeepSeek-V3.1); others do not read it
+    asked = {"chat_template_kwargs": {"thinking": True}}
     if thinking.type == "enabled" and thinking.budget_tokens is not None:
-        return {"max_reasoning_tokens": thinking.budget_tokens}
-    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else {}
+        return asked | {"max_reasoning_tokens": thinking.budget_tokens}
+    return asked | ({"reasoning_effort": effort} if effort in ("low", "medium", "high") else {})

@@ -1,7 +1,7 @@
 """One choice's answer as it grows: token events in, what the client sees out.
 
 Every token event goes through the same steps, whichever wire format serves it (chat completions or the Responses
-API): the reasoning splitter takes a thinking model's thinking out (app/openai/reasoning.py), the tool-call parser
+API): the reasoning splitter takes a thinking model's thinking out (app/openai/reasoning/), the tool-call parser
 takes calls out of what remains (app/openai/tools/), and what is left is content. `Choice.add` returns that step's
 `Delta`; the choice keeps the whole answer for a non-streamed response.
 """
@@ -92,7 +92,7 @@ class Choice:
         reasoning, content = "", event.text
         if self.splitter is not None:
             self.reasoning_tokens += is_token and self.splitter.state != "content"
-            reasoning, content = self.splitter.feed(event.text)
+            reasoning, content = self.splitter.feed(event.text, event.token_id)
             if event.finish_reason is not None:
                 more_reasoning, more_content = self.splitter.flush()
                 reasoning, content = reasoning + more_reasoning, content + more_content

@@ -18,7 +18,7 @@ from app.models.chat_template import RESERVED_TEMPLATE_ARGS
 from app.core.sampling import (MAX_INSPECT, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
                                resolve_sampling_params)
-from app.openai.reasoning import ReasoningFormat, reasoning_budget
+from app.openai.reasoning import TEMPLATE_EFFORT, ReasoningFormat
 from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
 MAX_N = 8
@@ -251,11 +251,14 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
                                      param=f"chat_template_kwargs.{name}")
         if self.reasoning_effort == "none":  # OpenAI's "no reasoning at all": Qwen3's switch for it
             kwargs.setdefault("enable_thinking", False)
+        if self.reasoning_effort is not None and self.reasoning_effort != "none":  # gpt-oss's template reads it
+            kwargs.setdefault("reasoning_effort", TEMPLATE_EFFORT.get(self.reasoning_effort, self.reasoning_effort))
         return kwargs
 
-    def thinking(self) -> bool:
-        """Qwen3 thinks unless its template is told not to."""
-        return self.template_kwargs().get("enable_thinking", True) is not False
+    def thinking(self, reasoning: ReasoningFormat) -> bool:
+        """Whether this request's answer thinks: each family has its own template switch (Qwen3's
+        `enable_thinking`, Granite's `thinking`)."""
+        return reasoning.thinks(self.template_kwargs())
 
     def _preamble(self, reasoning: ReasoningFormat | None):
         if reasoning is None:
@@ -263,10 +266,11 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
                 if getattr(self, name) is not None:
                     raise InvalidRequest(f"`{name}` needs a reasoning model; this model does not think", param=name)
             return None
-        if not self.thinking():
+        if not self.thinking(reasoning):
             return None
-        effort = None if self.reasoning_effort == "none" else self.reasoning_effort
-        return reasoning.preamble(reasoning_budget(self.max_reasoning_tokens, effort))
+        # "none" where the template cannot turn thinking off (DeepSeek-R1, gpt-oss): a budget of 0
+        effort = "minimal" if self.reasoning_effort == "none" else self.reasoning_effort
+        return reasoning.preamble(reasoning.budget(self.max_reasoning_tokens, effort))
 
     def _logprob_settings(self) -> tuple[bool, int]:
         if self.top_logprobs and not self.logprobs:

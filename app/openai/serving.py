@@ -28,7 +28,7 @@ from app.openai.answer import Choice, Delta
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.core.structured.grammars import Grammar, Grammars
 from app.core.structured.schema_check import GrammarLimits
-from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.reasoning import reasoning_format
 from app.openai.scoring import Echo, vllm_prompt_logprobs
 from app.openai.stream_parts import merge_events, record_timing, sampling_header, tool_payloads, usage
 from app.openai.sse import event_stream
@@ -50,7 +50,7 @@ class CompletionServing:
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
                  preparing: Preparing | None = None, grammar_client_header: str | None = None,
                  queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
-                 adapters: LoraAdapters | None = None):
+                 adapters: LoraAdapters | None = None, reasoning_parser: str = "auto"):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
@@ -58,7 +58,9 @@ class CompletionServing:
         self.default_max_tokens = default_max_tokens
         # stable across restarts (str hash() is salted per process): changes only with the model and dtype
         self.fingerprint = "fp_" + hashlib.sha256(f"{lm.name}|{lm.dtype}".encode()).hexdigest()[:10]
-        self.reasoning = reasoning_format(lm.tokenizer)  # None: the model does not think
+        self.reasoning = reasoning_format(lm.tokenizer, reasoning_parser)  # None: the model does not think
+        log.info("reasoning parser: %s (REASONING_PARSER=%s)", self.reasoning.name if self.reasoning else "none",
+                 reasoning_parser)
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
         self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
         self.grammar_client_header = grammar_client_header  # see compile_client
@@ -137,7 +139,7 @@ class CompletionServing:
         tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
         params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max, tenant)
                   for i in range(body.n)]
-        thinking = body.thinking() if reasoning is not None else None
+        thinking = body.thinking(reasoning) if reasoning is not None else None
         deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
                                       self.queue_timeout_s, self.request_timeout_s)
         request.state.sampling = params[0]  # for the trace's attributes
@@ -187,7 +189,7 @@ class CompletionServing:
         queue_deadline, deadline = deadlines
         try:
             for i, p in enumerate(params):
-                splitter = ReasoningSplitter(thinking) if thinking is not None else None
+                splitter = self.reasoning.splitter(thinking) if thinking is not None else None
                 handle_id = f"{request_id}/{i}" if request_id and len(params) > 1 else request_id  # engine's log
                 choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline,
                                                                 adapter),

@@ -23,7 +23,8 @@ from app.core.generate import generate
 from app.core.preamble import Preamble, PreambleState
 from app.core.sampling import SamplingParams
 from app.models.loading import LoadedModel, load_model
-from app.openai.reasoning import ReasoningSplitter, reasoning_format
+from app.openai.reasoning import reasoning_format
+from app.openai.reasoning.qwen3 import OPEN, CLOSE, splitter as qwen3_splitter
 
 # Qwen3's chat format: tools in the system turn, thinking kept only for answers after the last user turn, and an
 # empty think block after the generation prompt when enable_thinking is false.
@@ -365,14 +366,14 @@ def test_budget_in_the_decode_loop(tokenizer):
     ["<think>", "\n", "I think.", "\n", "</think>", "\n\n", "Answer."],
 ])
 def test_splitter_any_split_same_result(pieces):
-    splitter = ReasoningSplitter(thinking=True)
+    splitter = qwen3_splitter((OPEN,), (CLOSE,), True, {})
     parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
     assert "".join(r for r, _ in parts) == "I think." and "".join(c for _, c in parts) == "Answer."
 
 
 def test_splitter_rules():
     def split(text: str, thinking: bool = True) -> tuple[str, str]:
-        s = ReasoningSplitter(thinking)
+        s = qwen3_splitter((OPEN,), (CLOSE,), thinking, {})
         (r1, c1), (r2, c2) = s.feed(text), s.flush()
         return r1 + r2, c1 + c2
 
