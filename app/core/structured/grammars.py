@@ -181,15 +181,16 @@ class Grammars:
                          tenant: str | None = None) -> Grammar:
         """A regular expression (`kind` "regex") or an EBNF grammar ("grammar"), as the plain methods, for the event
         loop: checked, looked up and compiled off it, in turn per client."""
-        return await self._compile_async(kind, text, param, True, client, tenant)
+        return await self._compile_async(kind, text, param, check=True, client=client, tenant=tenant)
 
     async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format", client: str = "",
                                 tenant: str | None = None) -> Grammar:
-        return await self._compile_async("json_schema", schema, param, True, client, tenant)
+        return await self._compile_async("json_schema", schema, param, check=True, client=client, tenant=tenant)
 
     async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice", client: str = "",
                                    tenant: str | None = None) -> Grammar:
-        return await self._compile_async("structural_tag", tag, param, False, client, tenant)
+        return await self._compile_async("structural_tag", tag, param, check=False, client=client,
+                                         tenant=tenant)
 
     async def _compile_async(self, kind: str, spec: dict[str, Any] | str, param: str, check: bool, client: str,
                              tenant: str | None) -> Grammar:
