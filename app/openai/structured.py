@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.body import finite_float, no_constant
+from app.body import NotFinite, finite_float, no_constant
 from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars, refusing_as_invalid
 from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
 from app.errors import InvalidRequest
@@ -89,10 +89,14 @@ def _constraint(name: str, value: Any, param: str) -> tuple[str, Any, str]:
         if isinstance(value, str):
             try:
                 value = json.loads(value, parse_constant=no_constant, parse_float=finite_float)
-            except RecursionError:
-                raise InvalidRequest(f"`{param}` is not a JSON schema: it nests too deep", param=param) from None
-            except ValueError as err:  # bad JSON, NaN or Infinity, an integer of more than 4,300 digits
+            except NotFinite as err:
+                raise InvalidRequest(f"`{param}` is not a JSON schema: {err} is not a JSON number (NaN and "
+                                     "infinities are not allowed)", param=param) from None
+            except json.JSONDecodeError as err:
                 raise InvalidRequest(f"`{param}` is not a JSON schema: {err}", param=param) from None
+            except (ValueError, RecursionError):  # an integer of more than 4,300 digits; nesting past the parser
+                raise InvalidRequest(f"`{param}` is not a JSON schema the server can read: it nests too deep or "
+                                     "holds a number too long", param=param) from None
         return "json_schema", value, param
     if name == "choice":
         return "grammar", choice_grammar(value, param), param

@@ -39,6 +39,8 @@ CASES = [
     ("/v1/chat/completions", {"structured_outputs": {"regex": HUGE_BOUND}}, "structured_outputs.regex"),
     ("/v1/chat/completions", {"guided_json": DEEP_JSON}, "guided_json"),
     ("/v1/completions", {"structured_outputs": {"json": DEEP_JSON}}, "structured_outputs.json"),
+    ("/v1/completions", {"guided_json": '{"type": "array", "minItems": ' + "9" * 5000 + "}"}, "guided_json"),
+    ("/v1/completions", {"guided_json": '{"type": "number", "maximum": NaN}'}, "guided_json"),
     ("/v1/chat/completions", {"json_schema": {"type": "string", "pattern": HUGE_BOUND}}, "json_schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": LIST_FORMAT}}}, "response_format"),
