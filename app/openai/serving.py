@@ -126,7 +126,8 @@ class CompletionServing:
         """The compiled constraint a request asks for, if any: compiled in a worker process with a deadline
         (tens of ms for a typical new schema, a dict lookup for a cached one), never on the event loop."""
         client = compile_client(request, self.grammar_client_header)
-        return await request_grammar(self.grammars, body, self.tool_format, client)
+        tenant = getattr(request.state, "cache_tenant", None) if request is not None else None  # as the prefix cache's
+        return await request_grammar(self.grammars, body, self.tool_format, client, tenant)
 
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
               grammar: Grammar | None = None) -> tuple[list[Choice], dict]:

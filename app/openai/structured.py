@@ -8,7 +8,10 @@ regex, a choice of strings, or an EBNF grammar), a chat `response_format`, or th
     arguments valid against its `parameters` (vLLM builds one JSON schema for this; a structural tag keeps the
     model in the format it was trained on, so the ordinary tool-call parser reads the answer, streamed or not).
 
-The grammar itself is compiled by app/core/structured/grammars.py, which knows nothing of OpenAI.
+The grammar itself is compiled by app/core/structured/grammars.py, which knows nothing of OpenAI, and cached there per
+tenant: the caller's API-key tenant where the prefix cache is salted by key (app/api.py), so one tenant cannot
+tell by latency which schemas another sent. A schema sent as a string is parsed as strictly as a request body
+(no NaN or Infinity; nesting past the parser's reach is a 400, not a RecursionError).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars
+from app.body import NotFinite, finite_float, no_constant
+from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars, refusing_as_invalid
 from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
 from app.errors import InvalidRequest
 from app.openai.tools.wire import ResponseFormat, Tool
@@ -31,21 +35,23 @@ CALL_SHAPES = {
 }
 
 
-async def request_grammar(grammars: Grammars, body, tool_format: str | None, client: str) -> Grammar | None:
-    """The grammar of a chat or text completion request, if it asks for one, compiled for `client`."""
+async def request_grammar(grammars: Grammars, body, tool_format: str | None, client: str,
+                          tenant: str | None = None) -> Grammar | None:
+    """The grammar of a chat or text completion request, if it asks for one, compiled for `client` (whose turn it
+    is) into `tenant`'s cache."""
     if (constraint := request_constraint(body)) is not None:
         kind, spec, param = constraint
         if kind == "json_schema":
-            return await grammars.json_schema_async(spec, param=param, client=client)
-        return await grammars.text_async(kind, spec, param, client=client)
+            return await grammars.json_schema_async(spec, param=param, client=client, tenant=tenant)
+        return await grammars.text_async(kind, spec, param, client=client, tenant=tenant)
     if not hasattr(body, "forced_tools"):  # text completions have neither tools nor response_format
         return None
     if body.forced_tools:
         tag = await asyncio.to_thread(forced_tool_tag, tool_format, body.forced_tools, body.parallel_tool_calls,
                                       grammars.limits)
-        return await grammars.structural_tag_async(tag, client=client)
+        return await grammars.structural_tag_async(tag, client=client, tenant=tenant)
     if body.json_format:
-        return await grammars.json_schema_async(response_schema(body.response_format), client=client)
+        return await grammars.json_schema_async(response_schema(body.response_format), client=client, tenant=tenant)
     return None
 
 
@@ -82,9 +88,15 @@ def _constraint(name: str, value: Any, param: str) -> tuple[str, Any, str]:
     if name == "json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except ValueError as err:
+                value = json.loads(value, parse_constant=no_constant, parse_float=finite_float)
+            except NotFinite as err:
+                raise InvalidRequest(f"`{param}` is not a JSON schema: {err} is not a JSON number (NaN and "
+                                     "infinities are not allowed)", param=param) from None
+            except json.JSONDecodeError as err:
                 raise InvalidRequest(f"`{param}` is not a JSON schema: {err}", param=param) from None
+            except (ValueError, RecursionError):  # an integer of more than 4,300 digits; nesting past the parser
+                raise InvalidRequest(f"`{param}` is not a JSON schema the server can read: it nests too deep or "
+                                     "holds a number too long", param=param) from None
         return "json_schema", value, param
     if name == "choice":
         return "grammar", choice_grammar(value, param), param
@@ -111,7 +123,9 @@ def forced_tool_tag(fmt: str, tools: list[Tool], parallel: bool, limits: Grammar
     cost = SchemaCost()  # one grammar holds every tool's schema: their sizes add up
     for i, tool in enumerate(tools):
         schema = tool.function.parameters or {"type": "object"}
-        check_schema(schema, param=f"tools.{i}.function.parameters", limits=limits, cost=cost)
+        param = f"tools.{i}.function.parameters"
+        with refusing_as_invalid(param):
+            check_schema(schema, param=param, limits=limits, cost=cost)
         tags.append({"type": "tag", "begin": begin.format(name=json.dumps(tool.function.name, ensure_ascii=False)),
                      "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
                      "end": end})

@@ -34,6 +34,7 @@ _HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
 OK, FAILED, OUT_OF_MEMORY = b"\x00", b"\x01", b"\x02"
 NICENESS = 10  # added to the worker's nice value
 MEMORY_BYTES = 2**30  # address space a compile may add to what a ready worker holds
+WORKER_COMMAND = (sys.executable, "-m", "app.core.structured.grammar_compile")  # then the memory limit
 
 
 class CompileTimeout(Exception):
@@ -46,6 +47,10 @@ class CompileFailed(Exception):
 
 class CompileOutOfMemory(Exception):
     """The compile needed more than its worker's memory limit; the worker was replaced."""
+
+
+class WorkerFailed(Exception):
+    """The worker process did not start: the server's fault, not the spec's."""
 
 
 def read_frame(stream: BinaryIO) -> bytes | None:
@@ -63,32 +68,43 @@ def write_frame(stream: BinaryIO, data: bytes) -> None:
 
 
 class CompileWorker:
-    """One child process; one compile at a time (the pool hands each worker to one thread at a time)."""
+    """One child process; one compile at a time (the pool hands each worker to one thread at a time).
+
+    A worker that is replaced (past a deadline, out of memory) gives back all it held at once: the process is killed
+    and reaped, its two pipes closed, and its finalizer detached. A finalizer left registered kept the dead process
+    and its pipes for the server's life: two descriptors per replaced worker, until a client whose schemas kept
+    hitting the deadline ran the server out of descriptors."""
 
     def __init__(self, tokenizer_info_json: str, memory_bytes: int = MEMORY_BYTES):
         self._info = tokenizer_info_json.encode()
         self._memory_bytes = memory_bytes
         self._proc: subprocess.Popen | None = None
+        self._release: weakref.finalize | None = None  # releases self._proc; calling it detaches it
 
     def _start(self) -> subprocess.Popen:
         # The child imports torch (through xgrammar): keep its threads few. Few malloc arenas, too: each reserves
         # 64 MiB of address space, which the memory limit counts.
         env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
-        proc = subprocess.Popen([sys.executable, "-m", "app.core.structured.grammar_compile", str(self._memory_bytes)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        proc = subprocess.Popen([*WORKER_COMMAND, str(self._memory_bytes)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env)
         # A worker lives no longer than this object: a Grammars dropped without close() (a test's, say) would
         # otherwise leave its ~300 MB process idle until this whole process exits and closes its stdin.
-        weakref.finalize(self, _kill, proc)
-        write_frame(proc.stdin, self._info)
-        if read_frame(proc.stdout) != OK:  # it has loaded the tables and is ready
-            proc.kill()
-            raise RuntimeError(f"the grammar compile worker did not start (exit code {proc.wait()})")
+        self._release = weakref.finalize(self, _release, proc)
+        try:
+            write_frame(proc.stdin, self._info)
+            ready = read_frame(proc.stdout) == OK  # it has loaded the tables and is ready
+        except OSError:
+            ready = False
+        if not ready:
+            self._stop()
+            raise WorkerFailed(f"the grammar compile worker did not start (exit code {proc.returncode})")
         return proc
 
     def compile(self, request: dict, timeout_s: float) -> str:
         """The serialized CompiledGrammar; CompileFailed for a refused spec, CompileTimeout past the deadline,
-        CompileOutOfMemory past the memory limit."""
+        CompileOutOfMemory past the memory limit, WorkerFailed if no worker would start."""
         if self._proc is None or self._proc.poll() is not None:
+            self._stop()  # one that died on its own gives back its pipes too
             self._proc = self._start()  # not counted in the deadline: that is the compile's own time
         proc = self._proc
         expired = threading.Event()
@@ -102,9 +118,7 @@ class CompileWorker:
         finally:
             timer.cancel()
         if answer is None or answer[:1] == OUT_OF_MEMORY:  # the next compile starts a new worker
-            proc.kill()
-            proc.wait()
-            self._proc = None
+            self._stop()
             # a child that died before its deadline ran out of memory where the library could not say so (an
             # allocation failing in a thread of its own aborts the process)
             raise CompileTimeout() if expired.is_set() else CompileOutOfMemory()
@@ -112,15 +126,26 @@ class CompileWorker:
             raise CompileFailed(answer[1:].decode(errors="replace"))
         return answer[1:].decode()
 
+    def _stop(self) -> None:
+        """Release the process (if any) now, and forget it."""
+        if self._release is not None:
+            self._release()  # runs once, then is dead: nothing of the process stays referenced
+        self._release = self._proc = None
+
     def close(self) -> None:
-        if self._proc is not None:
-            _kill(self._proc)
+        self._stop()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _release(proc: subprocess.Popen) -> None:
+    """Kill, close both pipes, reap: a replaced worker keeps no process, zombie or descriptor."""
     if proc.poll() is None:
         proc.kill()
-        proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:  # stdin's buffer, flushed into a dead process's pipe
+            pass
+    proc.wait()
 
 
 class CompilePool:

@@ -17,6 +17,11 @@ ids as special tokens, so they stay masked. The stop tokens given to `Grammars` 
 tokens allowed once a document is complete, so EOS ends a complete document and nothing else. Whitespace between
 JSON tokens is capped (`MAX_WHITESPACE`), so a model cannot pad with spaces until max_tokens (vLLM 38696).
 
+Whatever checking or compiling a constraint raises beyond the refusals written for it (a checker's bug, a library's
+surprise) is a 400 naming the field it came in (`refusing_as_invalid`), logged with its traceback: a hostile
+constraint can fail its own request, never answer a 500. A compile worker that cannot start is the server's fault and
+stays a 500.
+
 This module knows JSON Schema but nothing of OpenAI: what to constrain is decided in app/openai/.
 """
 
@@ -24,19 +29,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from app.core.structured.fair_queue import FairQueue
-from app.core.structured.grammar_compile import CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout
+from app.core.structured.grammar_compile import (CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout,
+                                                 WorkerFailed)
 from app.core.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
-from app.errors import InvalidRequest, Overloaded
+from app.errors import InvalidRequest, Overloaded, ServeError
+
+log = logging.getLogger("app.core.structured.grammars")
 
 MAX_WHITESPACE = 4  # at most this many whitespace characters in a row between JSON tokens
 CACHE_SIZE = 128  # compiled grammars kept; a compiled JSON schema is tens of KB to a few MB
@@ -111,7 +121,12 @@ class GrammarMatcher:
 
 
 class Grammars:
-    """Compiles grammars for one model's tokenizer, caching them by spec. Thread-safe.
+    """Compiles grammars for one model's tokenizer, caching them by tenant and spec. Thread-safe.
+
+    The cache and the sharing of compiles in flight are per tenant (the API key's, where the prefix cache is salted
+    by key; None is one namespace of its own, as in app/core/engine/prefix_cache.py): a shared cache answered a
+    schema another tenant had used in a dict lookup, and a new one in tens of ms to seconds, so a tenant could tell
+    by the latency which schemas others had sent. Each tenant's first use of a schema compiles it.
 
     A compile runs in a worker process with a deadline (app/core/structured/grammar_compile.py), reached from this object's
     own threads: never the event loop, nor the thread pool that tokenization uses. `json_schema_async` and
@@ -129,75 +144,86 @@ class Grammars:
         self._info = None  # xgrammar.TokenizerInfo, built on first use
         self._workers: CompilePool | None = None
         self._threads = FairQueue(limits.workers, name="grammar")
-        self._compiling: dict[tuple[str, str], Future] = {}  # (spec, param) -> its compile, until it is done
+        # (tenant, spec, param) -> its compile, until it is done
+        self._compiling: dict[tuple[str | None, str, str], Future] = {}
         self._per_client: dict[str, int] = {}  # client -> its compiles running or waiting
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str | None, str], Grammar] = OrderedDict()  # (tenant, spec) -> its grammar
+        self.compiles = 0  # compiles sent to a worker (cache misses), for tests and the curious
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
 
-    def json_schema(self, schema: dict[str, Any], param: str = "response_format") -> Grammar:
-        check_schema(schema, param, limits=self.limits)
-        return self._compile("json_schema", schema, param)
+    def json_schema(self, schema: dict[str, Any], param: str = "response_format",
+                    tenant: str | None = None) -> Grammar:
+        with refusing_as_invalid(param):
+            check_schema(schema, param, limits=self.limits)
+            return self._compile("json_schema", schema, param, tenant)
 
-    def structural_tag(self, tag: dict[str, Any], param: str = "tool_choice") -> Grammar:
+    def structural_tag(self, tag: dict[str, Any], param: str = "tool_choice", tenant: str | None = None) -> Grammar:
         """A structural tag (xgrammar's format for "these literal strings around JSON of these schemas"); the
         schemas inside it are checked by whoever builds it (app/openai/structured.py)."""
-        return self._compile("structural_tag", tag, param)
+        with refusing_as_invalid(param):
+            return self._compile("structural_tag", tag, param, tenant)
 
-    def regex(self, pattern: str, param: str = "structured_outputs.regex") -> Grammar:
-        check_text("regex", pattern, param, self.limits)
-        return self._compile("regex", pattern, param)
+    def regex(self, pattern: str, param: str = "structured_outputs.regex", tenant: str | None = None) -> Grammar:
+        with refusing_as_invalid(param):
+            check_text("regex", pattern, param, self.limits)
+            return self._compile("regex", pattern, param, tenant)
 
-    def grammar(self, ebnf: str, param: str = "structured_outputs.grammar") -> Grammar:
+    def grammar(self, ebnf: str, param: str = "structured_outputs.grammar", tenant: str | None = None) -> Grammar:
         """An EBNF grammar as xgrammar reads it (llama.cpp's GBNF is the same notation), starting at `root`."""
-        check_text("grammar", ebnf, param, self.limits)
-        return self._compile("grammar", ebnf, param)
-
-    async def text_async(self, kind: str, text: str, param: str, client: str = "") -> Grammar:
-        """A regular expression (`kind` "regex") or an EBNF grammar ("grammar"), as the plain methods, for the event
-        loop: checked, looked up and compiled off it, in turn per client."""
-        return await self._compile_async(kind, text, param, check=True, client=client)
+        with refusing_as_invalid(param):
+            check_text("grammar", ebnf, param, self.limits)
+            return self._compile("grammar", ebnf, param, tenant)
 
     # `client`: whose compile this is (the HTTP layer decides what a client is); compiles are bounded and served
-    # in turn per client.
-    async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format",
-                                client: str = "") -> Grammar:
-        return await self._compile_async("json_schema", schema, param, check=True, client=client)
+    # in turn per client. `tenant`: whose cache it is (see the class).
+    async def text_async(self, kind: str, text: str, param: str, client: str = "",
+                         tenant: str | None = None) -> Grammar:
+        """A regular expression (`kind` "regex") or an EBNF grammar ("grammar"), as the plain methods, for the event
+        loop: checked, looked up and compiled off it, in turn per client."""
+        return await self._compile_async(kind, text, param, check=True, client=client, tenant=tenant)
 
-    async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice",
-                                   client: str = "") -> Grammar:
-        return await self._compile_async("structural_tag", tag, param, check=False, client=client)
+    async def json_schema_async(self, schema: dict[str, Any], param: str = "response_format", client: str = "",
+                                tenant: str | None = None) -> Grammar:
+        return await self._compile_async("json_schema", schema, param, check=True, client=client, tenant=tenant)
 
-    async def _compile_async(self, kind: str, spec: dict[str, Any] | str, param: str, check: bool,
-                             client: str = "") -> Grammar:
+    async def structural_tag_async(self, tag: dict[str, Any], param: str = "tool_choice", client: str = "",
+                                   tenant: str | None = None) -> Grammar:
+        return await self._compile_async("structural_tag", tag, param, check=False, client=client,
+                                         tenant=tenant)
+
+    async def _compile_async(self, kind: str, spec: dict[str, Any] | str, param: str, check: bool, client: str,
+                             tenant: str | None) -> Grammar:
         def lookup() -> tuple[str, Grammar | None]:  # a walk over the schema: cheap, but not for the event loop
             if check and kind == "json_schema":
                 check_schema(spec, param, limits=self.limits)
             elif check:
                 check_text(kind, spec, param, self.limits)
             key = self._key(kind, spec)
-            return key, self._lookup(key, param)
+            return key, self._lookup(tenant, key, param)
 
-        key, grammar = await asyncio.to_thread(lookup)
-        if grammar is not None:  # a cached grammar never waits behind compiles
-            return grammar
-        with self._lock:
-            future = self._compiling.get((key, param))  # the same spec asked for again while it compiles: share it
-            if future is None:
-                if (mine := self._per_client.get(client, 0)) >= self.limits.per_client:
-                    raise Overloaded(f"{mine} of your grammars are compiling or waiting to; retry when they are "
-                                     "done (GRAMMAR_COMPILE_PER_CLIENT)", retry_after_s=2)
-                if len(self._compiling) >= self.limits.workers + self.limits.queue:
-                    raise Overloaded(f"{len(self._compiling)} grammars are compiling or waiting to; retry shortly "
-                                     "(GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
-                future = self._threads.submit(client, self._compile, kind, spec, param, key)
-                self._compiling[(key, param)] = future
-                self._per_client[client] = mine + 1
-                future.add_done_callback(lambda _: self._compile_done((key, param), client))
-        # shield: a caller that leaves must not cancel a compile that others wait for, or that will be cached
-        return await asyncio.shield(asyncio.wrap_future(future))
+        with refusing_as_invalid(param):
+            key, grammar = await asyncio.to_thread(lookup)
+            if grammar is not None:  # a cached grammar never waits behind compiles
+                return grammar
+            entry = (tenant, key, param)
+            with self._lock:
+                future = self._compiling.get(entry)  # the same spec asked for again while it compiles: share it
+                if future is None:
+                    if (mine := self._per_client.get(client, 0)) >= self.limits.per_client:
+                        raise Overloaded(f"{mine} of your grammars are compiling or waiting to; retry when they are "
+                                         "done (GRAMMAR_COMPILE_PER_CLIENT)", retry_after_s=2)
+                    if len(self._compiling) >= self.limits.workers + self.limits.queue:
+                        raise Overloaded(f"{len(self._compiling)} grammars are compiling or waiting to; retry "
+                                         "shortly (GRAMMAR_COMPILE_QUEUE)", retry_after_s=2)
+                    future = self._threads.submit(client, self._compile, kind, spec, param, tenant, key)
+                    self._compiling[entry] = future
+                    self._per_client[client] = mine + 1
+                    future.add_done_callback(lambda _: self._compile_done(entry, client))
+            # shield: a caller that leaves must not cancel a compile that others wait for, or that will be cached
+            return await asyncio.shield(asyncio.wrap_future(future))
 
-    def _compile_done(self, entry: tuple[str, str], client: str) -> None:
+    def _compile_done(self, entry: tuple[str | None, str, str], client: str) -> None:
         with self._lock:
             self._compiling.pop(entry, None)
             if (left := self._per_client.pop(client, 0) - 1) > 0:
@@ -208,28 +234,26 @@ class Grammars:
         # Exactly what is compiled: key order matters, since the grammar writes properties in the schema's order.
         return kind + ":" + json.dumps(spec, ensure_ascii=False)
 
-    def _lookup(self, key: str, param: str) -> Grammar | None:
+    def _lookup(self, tenant: str | None, key: str, param: str) -> Grammar | None:
         with self._lock:
-            grammar = self._cache.get(key)
+            grammar = self._cache.get((tenant, key))
             if grammar is None:
                 return None
-            self._cache.move_to_end(key)
+            self._cache.move_to_end((tenant, key))
         return grammar if grammar.param == param else replace(grammar, param=param)
 
-    def _compile(self, kind: str, spec: dict[str, Any], param: str, key: str | None = None) -> Grammar:
+    def _compile(self, kind: str, spec: dict[str, Any] | str, param: str, tenant: str | None = None,
+                 key: str | None = None) -> Grammar:
         import xgrammar as xgr
 
         key = key or self._key(kind, spec)
-        if (grammar := self._lookup(key, param)) is not None:
+        if (grammar := self._lookup(tenant, key, param)) is not None:
             return grammar
-        with self._start_lock:  # not self._lock: the event loop takes that one, and this can take a second
-            if self._workers is None:
-                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                                stop_token_ids=self.stop_ids)
-                self._workers = CompilePool(self._info.serialize_json(), self.limits.workers,
-                                            self.limits.memory_bytes)
+        self._start_workers()
         request = {"kind": kind, "spec": key.split(":", 1)[1], "max_whitespace": MAX_WHITESPACE}
         what = {"grammar": "EBNF grammar"}.get(kind, kind.replace("_", " "))
+        with self._lock:
+            self.compiles += 1
         try:
             compiled = xgr.CompiledGrammar.deserialize_json(
                 self._workers.compile(request, self.limits.compile_timeout_s), self._info)
@@ -244,19 +268,54 @@ class Grammars:
         except CompileFailed as err:
             raise InvalidRequest(f"cannot build a grammar from the {what} in `{param}`: {library_message(err)}",
                                  param=param) from None
+        except WorkerFailed as err:
+            raise ServeError(f"the grammar compile worker failed: {err}", code="grammar_worker_failed") from None
         grammar = Grammar(compiled, self.vocab_size, kind, param)
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[(tenant, key)] = grammar
             while len(self._cache) > self.cache_size or (
                     len(self._cache) > 1 and sum(g.compiled.memory_size_bytes for g in self._cache.values())
                     > self.cache_bytes):
                 self._cache.popitem(last=False)
         return grammar
 
+    def _start_workers(self) -> None:
+        """The tokenizer's tables and the worker pool, once. A failure here is the server's, not the request's."""
+        import xgrammar as xgr
+
+        with self._start_lock:  # not self._lock: the event loop takes that one, and this can take a second
+            if self._workers is not None:
+                return
+            try:
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_ids)
+            except Exception as err:  # noqa: BLE001 - the tokenizer's, whatever it is: logged, and a 500
+                log.exception("cannot build the grammar tables of this tokenizer")
+                raise ServeError(f"cannot build the grammar tables of this tokenizer: {type(err).__name__}",
+                                 code="grammar_worker_failed") from None
+            self._workers = CompilePool(self._info.serialize_json(), self.limits.workers, self.limits.memory_bytes)
+
     def close(self) -> None:
         self._threads.shutdown()
         if self._workers is not None:
             self._workers.close()
+
+
+@contextmanager
+def refusing_as_invalid(param: str) -> Iterator[None]:
+    """The one boundary between a request's constraint and the server: an exception nobody wrote a refusal for,
+    raised while checking or compiling the constraint in `param`, is a 400 naming that field (the constraint caused
+    it), logged with its traceback (the checker, or the library, has a bug to fix). The refusals already written
+    (ServeError: 400s, 429s) and cancellation pass through as they are."""
+    try:
+        yield
+    except ServeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - that is the point: whatever it is
+        log.warning("checking or compiling the constraint in `%s` raised %s", param, type(err).__name__,
+                    exc_info=True)
+        raise InvalidRequest(f"the constraint in `{param}` could not be checked or compiled; check its syntax and "
+                             "simplify it", param=param) from None
 
 
 def check_text(kind: str, text: str, param: str, limits: GrammarLimits) -> None:

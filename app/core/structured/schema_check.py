@@ -7,6 +7,11 @@ add: 200 `[a-z]{0,1000}` in one pattern made a 26.9 MB grammar), many of them ac
 `(a|b){0,1000}` each: 6.6 s on Qwen's vocabulary), or large enums (20,000 strings: 9.0 s and a 135 MB grammar).
 Sizes add up over the whole schema (every tool's, for forced tool calls), so splitting a cost over many properties
 does not pass. Whatever passes still compiles under a deadline and a memory limit (app/core/structured/grammar_compile.py).
+
+The walk takes any JSON value (and values JSON cannot carry, from a caller in Python: NaN, ints of 5,000 digits):
+a keyword of the wrong type is refused or left to the compiler, never an exception of its own (a `format` given as
+a list was unhashable in the set lookup, a bound of 5,000 digits more than `int()` reads: both were 500s).
+Counts saturate at `SATURATED`, so no message prints a number too long to print.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
                "readOnly", "writeOnly", "strict", "nullable", "discriminator", "contentMediaType"}
 FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uri", "uri-reference",
            "uri-template", "json-pointer", "relative-json-pointer", "uuid"}
+SATURATED = 10**18  # repetition counts stop growing here: far past any limit, and cheap to multiply and print
 # Keywords whose value is a map of name -> subschema, or a list of subschemas, or one subschema.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -83,21 +89,27 @@ def check_schema(schema: Any, param: str, path: str = "", limits: GrammarLimits 
         raise InvalidRequest(f"a JSON schema must be an object, got {type(schema).__name__} at {path or '/'}",
                              param=param)
     for key, value in schema.items():
+        if not isinstance(key, str):  # JSON has none, a caller in Python may
+            raise InvalidRequest(f"a JSON schema's keys are strings, got one of type {type(key).__name__} at "
+                                 f"{path or '/'}", param=param)
         where = f"{path}/{key}"
         if key not in ENFORCED and key not in ANNOTATIONS:
-            raise InvalidRequest(f"JSON schema keyword {key!r} (at {where}) cannot be enforced by this server",
+            raise InvalidRequest(f"JSON schema keyword {shown(key)} (at {where}) cannot be enforced by this server",
                                  param=param)
-        if key == "format" and value not in FORMATS:
-            raise InvalidRequest(f"JSON schema format {value!r} (at {where}) cannot be enforced by this server; "
+        if key == "format" and (not isinstance(value, str) or value not in FORMATS):
+            raise InvalidRequest(f"JSON schema format {shown(value)} (at {where}) cannot be enforced by this server; "
                                  f"supported: {', '.join(sorted(FORMATS))}", param=param)
+        if key == "pattern" and not isinstance(value, str):
+            raise InvalidRequest(f"JSON schema 'pattern' (at {where}) must be a string, got {type(value).__name__}",
+                                 param=param)
         if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
             raise InvalidRequest(f"JSON schema keyword 'pattern' together with minLength/maxLength (at {where}) "
                                  "cannot be enforced by this server; put the length into the pattern", param=param)
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             raise InvalidRequest(f"JSON schema keyword 'allOf' with more than one schema (at {where}) cannot be "
                                  "enforced by this server", param=param)
-        repeat = pattern_repeat(value) if key == "pattern" and isinstance(value, str) else (
-            value if key in ("minItems", "maxItems") and isinstance(value, int) else 0)
+        repeat = pattern_repeat(value) if key == "pattern" else (
+            min(max(value, 0), SATURATED) if key in ("minItems", "maxItems") and isinstance(value, int) else 0)
         if repeat > limits.max_repeat:
             raise _too_complex(f"JSON schema {key!r} (at {where}) repeats up to {repeat:,} times; at most "
                                f"{limits.max_repeat:,} (GRAMMAR_MAX_REPEAT), counting nested repetitions multiplied "
@@ -126,7 +138,11 @@ def _count_literals(key: str, value: Any, where: str, param: str, limits: Gramma
     if cost.enum_values > limits.max_enum_values:
         raise _too_complex(f"JSON schema enums hold {cost.enum_values:,} values by {where}; at most "
                            f"{limits.max_enum_values:,} over the whole schema (GRAMMAR_MAX_ENUM_VALUES)", param)
-    cost.literal_bytes += sum(len(json.dumps(v, ensure_ascii=False)) for v in values)
+    try:
+        cost.literal_bytes += sum(len(json.dumps(v, ensure_ascii=False)) for v in values)
+    except (ValueError, TypeError, RecursionError):  # NaN is fine; an int of 5,000 digits or 10,000 levels are not
+        raise InvalidRequest(f"JSON schema {key!r} (at {where}) holds a value that is not JSON (too deep, or a "
+                             "number too long)", param=param) from None
     if cost.literal_bytes > limits.max_literal_bytes:
         raise _too_complex(f"JSON schema enum and const values take {cost.literal_bytes:,} bytes by {where}; at "
                            f"most {limits.max_literal_bytes:,} over the whole schema (GRAMMAR_MAX_LITERAL_BYTES)",
@@ -157,19 +173,32 @@ def pattern_repeat(pattern: str) -> int:
             stack.append([0, 0])
         elif char == ")" and len(stack) > 1:
             inner = stack.pop()[0]
-            stack[-1][0] += inner
+            stack[-1][0] = min(stack[-1][0] + inner, SATURATED)
             stack[-1][1] = inner
         elif char == "{" and (bound := _REPEAT.match(pattern, i)):
             low, comma, high = bound.groups()
-            copies = max(int(low or 0), int(high) if high else int(low or 0) if comma else 0, 1) * max(top[1], 1)
-            top[0] += copies - top[1]  # the atom's own copies are now `copies` of it
+            most = _count(high) if high else _count(low) if comma else 0
+            copies = min(max(_count(low), most, 1) * max(top[1], 1), SATURATED)
+            top[0] = min(top[0] + copies - top[1], SATURATED)  # the atom's own copies are now `copies` of it
             top[1] = copies
             i = bound.end()
             continue
         else:
             top[1] = 0
         i += 1
-    return max(1, sum(group[0] for group in stack))
+    return min(max(1, sum(group[0] for group in stack)), SATURATED)
+
+
+def _count(digits: str) -> int:
+    """A bound's digits as a number, saturated: `int()` refuses more than 4,300 digits, and needs none past 18."""
+    return int(digits or 0) if len(digits) <= 18 else SATURATED
+
+
+def shown(value: Any) -> str:
+    """A keyword's value as an error message quotes it: a short string in full, anything else by its type."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 60 else value[:60] + "...")
+    return f"of type {type(value).__name__}"
 
 
 _REPEAT = re.compile(r"\{(\d*)(,?)(\d*)\}")
