@@ -347,3 +347,54 @@ def test_tool_call_parser_setting_lists_the_parsers_and_refuses_others():
 
     assert choose_tool_format(Tok(), "auto") == ("hermes", "auto, from the chat template")
     assert choose_tool_format(Tok(), "mistral") == ("mistral", "TOOL_CALL_PARSER=mistral")
+
+
+# ---- forced calls: each format's grammar takes exactly its own calls, and the parser reads what it takes ----
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS["get_weather"]}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": SCHEMAS["get_time"]}}
+DS = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+FORCED = {  # two calls, as each format's forced grammar spells them
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "get_time", "parameters": {"tz": "UTC"}}',
+    "pythonic": '[get_weather(city="Paris", days=2), get_time(tz="UTC")]',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_time", "arguments": {"tz": "UTC"}}]',
+    "deepseek_v3": f'<｜tool▁calls▁begin｜>{DS}get_weather\n```json\n{{"city": "Paris"}}\n```<｜tool▁call▁end｜>\n'
+                   f'{DS}get_time\n```json\n{{"tz": "UTC"}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_time", "arguments": {"tz": "UTC"}}]',
+    "phi4_mini": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_time", "arguments": {"tz": "UTC"}}]<|/tool_call|>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+                   "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n"
+                   "</parameter>\n</function>\n</tool_call>",
+    "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORCED))
+def test_each_formats_forced_grammar_takes_its_calls_and_nothing_else(fmt):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from app.core.structured.schema_check import GrammarLimits
+    from app.openai.structured import forced_tool_tag
+    from app.openai.tools.wire import Tool
+
+    tools = [Tool(**WEATHER_TOOL), Tool(**TIME_TOOL)]
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(forced_tool_tag(fmt, tools, True, GrammarLimits())))
+    text = FORCED[fmt]
+    assert accepts(grammar, text)
+    assert not accepts(grammar, "Sure. " + text) and not accepts(grammar, text[:-1])
+    answer = parse_tool_calls(text, fmt, FAMILY_TOOLS, schemas=SCHEMAS)
+    assert answer.content is None and functions(answer)[0][0] == "get_weather"
+    assert len(answer.tool_calls) == (1 if fmt == "harmony" else 2)
+    if fmt != "harmony":  # parallel_tool_calls=false: one call only
+        single = xgr.Grammar.from_structural_tag(json.dumps(forced_tool_tag(fmt, tools, False, GrammarLimits())))
+        assert not accepts(single, text)
+    # city is a string in the schema, days an integer (Qwen3-Coder's values are text: any text is a string)
+    wrong = text.replace('"Paris"', "42") if fmt != "qwen3_coder" else text.replace("\n2\n", "\ntwo\n")
+    assert not accepts(grammar, wrong) or fmt == "pythonic"  # pythonic checks names and literals, not types
