@@ -344,3 +344,28 @@ def test_the_openai_sdk_and_langchain_read_each_familys_calls_streamed_and_not(f
                          max_retries=0)
         message = llm.bind_tools([WEATHER]).invoke("Weather in Paris?")
         assert [(c["name"], c["args"]) for c in message.tool_calls] == [CALLED]
+
+
+@pytest.mark.full
+def test_the_start_log_names_the_chosen_parser_and_a_setting_forces_another(caplog):
+    from app.config import Settings
+    from app.main import create_app
+
+    from test_reasoning import scripted_lm
+    from tool_families import write
+
+    tokens = answer_tokens(write("mistral", [CALLED]))
+    tokenizer = family_tokenizer("hermes", tokens)  # a Hermes template, but the model writes Mistral's calls
+    lm = scripted_lm(tokenizer, ["\n", *tokens, "<|im_end|>"])
+    ask = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
+           "temperature": 0, "max_tokens": 12}
+    with caplog.at_level("INFO", logger="app.state"):
+        with ThreadServer(create_app(Settings(model="qwen3-tiny"), lm=lm)) as server:
+            auto = httpx.post(server.url + CHAT, json=ask, timeout=30).json()["choices"][0]
+        assert "tool calls: hermes (auto, from the chat template)" in caplog.text
+        assert auto["finish_reason"] == "stop" and "[TOOL_CALLS]" in auto["message"]["content"]  # not Hermes: text
+        with ThreadServer(create_app(Settings(model="qwen3-tiny", tool_call_parser="mistral"), lm=lm)) as server:
+            forced = httpx.post(server.url + CHAT, json=ask, timeout=30).json()["choices"][0]
+    assert "tool calls: mistral (TOOL_CALL_PARSER=mistral)" in caplog.text
+    assert forced["finish_reason"] == "tool_calls" and forced["message"]["content"] is None
+    assert json.loads(forced["message"]["tool_calls"][0]["function"]["arguments"]) == CALLED[1]
