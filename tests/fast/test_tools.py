@@ -398,3 +398,14 @@ def test_each_formats_forced_grammar_takes_its_calls_and_nothing_else(fmt):
     # city is a string in the schema, days an integer (Qwen3-Coder's values are text: any text is a string)
     wrong = text.replace('"Paris"', "42") if fmt != "qwen3_coder" else text.replace("\n2\n", "\ntwo\n")
     assert not accepts(grammar, wrong) or fmt == "pythonic"  # pythonic checks names and literals, not types
+
+
+@pytest.mark.parametrize("fmt", ["mistral:list", "granite", "phi4_mini"])
+def test_a_list_of_calls_whose_special_marker_decoding_skipped_is_still_read(fmt):
+    marked = write(fmt, TWO_CALLS)
+    bare = marked[marked.index("["):].removesuffix("<|/tool_call|>").replace("[TOOL_CALLS] ", "")
+    assert bare.startswith("[{")
+    assert functions(family_whole(bare, fmt)) == TWO_CALLS
+    streamed = collect(family_stream(bare, fmt, list(bare)))
+    assert [c["function"] for c in streamed.tool_calls] == [c["function"] for c in family_whole(bare, fmt).tool_calls]
+    assert family_whole("[1] is a citation, not a call.", fmt).content == "[1] is a citation, not a call."

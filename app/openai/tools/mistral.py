@@ -42,6 +42,7 @@ def mistral_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, str]
 
 class MistralToolParser(SectionParser):
     OPENS = (TOOL_CALLS,)
+    BARE_START = "["  # the list alone: the marker is a special token that decoding skipped
 
     def new_id(self) -> str:
         return mistral_call_id()
