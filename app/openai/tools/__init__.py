@@ -16,7 +16,7 @@ tokenizer's special tokens (`tool_format`, first match in this order):
 The formats and their markers are in docs/tools-and-structured-outputs.md; sections.py is the streaming machine
 every marker-based format shares.
 
-Both parsers also accept the habits of small coder models that ignore the tag when tools were offered (Ollama
+Hermes and JSON also accept the habits of small coder models that ignore the tag when tools were offered (Ollama
 13519, vLLM 21571): the whole answer as a bare JSON object (or a list of them) with name and arguments, or the same
 inside a ```json fence; Hermes also takes llama.cpp's `<function=name>{...}</function>`.
 
@@ -34,7 +34,9 @@ vLLM's Hermes parser then sends whatever it had (vLLM 21544, 10395); llama.cpp c
 lazy grammar from `<tool_call>` on, so its calls are well-formed, and makes a call that fails the final parse
 content. We constrain only forced calls, so we hold back instead. Holding back costs a client the live view of a long call's arguments; it never changes what the
 client ends up with, and a call is only actionable once complete anyway. Arguments are the model's own text for
-the arguments object (so `{}` stays `{}`, vLLM 28806, and 1.10 stays 1.10). The end of a call is found by a scan
+the arguments object (so `{}` stays `{}`, vLLM 28806, and 1.10 stays 1.10) in the formats that write them as one
+JSON object (Hermes, Mistral's `[ARGS]`, DeepSeek, harmony); the list formats' are re-encoded from the decoded
+object, and pythonic and Qwen3-Coder's are built from their literals. The end of a call is found by a scan
 that knows JSON strings, so a literal `</tool_call>` inside an argument string does not end it (vLLM 45167); that
 scan keeps its state between tokens, so parsing is linear in the answer (`python -m benchmarks tools`). Nothing in
 the model's text can make a parser raise: every decode of it is guarded, deep nesting included.
