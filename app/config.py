@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     max_content_blocks: int = Field(8192, ge=1, description="content blocks and tool calls in all of a request's "
                                     "messages together (400 past it, before validation)")
     max_tools: int = Field(128, ge=1, description="tools in a request (400 past it, before validation)")
+    tool_call_parser: Literal["auto", "hermes", "json", "llama3_json", "pythonic", "mistral", "deepseek_v3",
+                              "granite", "phi4_mini", "qwen3_coder", "harmony"] = Field(
+        "auto", description="how tool calls are read from the model's text (docs/tools-and-structured-outputs.md); "
+        "auto: from the chat template and the tokenizer's special tokens (the start log says which); a name forces "
+        "that format")
     max_preparing: int = Field(16, ge=1, description="requests being parsed, validated, templated or tokenized at "
                                "once, queued or running (429 past it)")
     prepare_workers: int = Field(2, ge=1, description="threads that parse, validate, template and tokenize "

@@ -149,7 +149,8 @@ class CompletionServing:
         request.state.choices = choices  # for the log line and the trace, once the answer is out
         if chat and body.parse_tools:
             for choice in choices:
-                choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls)
+                choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls,
+                                            body.tool_schemas())
         request.state.prompt_tokens = len(prompt_ids)
         headers = {"x-sampling-params": sampling_header(params[0])}
         return choices, headers

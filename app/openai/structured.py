@@ -26,13 +26,8 @@ from app.body import NotFinite, finite_float, no_constant
 from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars, refusing_as_invalid
 from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
 from app.errors import InvalidRequest
+from app.openai.tools.forced import forced_calls_format
 from app.openai.tools.wire import ResponseFormat, Tool
-
-# Each call's text around its arguments, by tool-call format (see app/openai/tools/).
-CALL_SHAPES = {
-    "hermes": ('<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", "\n"),
-    "json": ('{{"name": {name}, "arguments": ', "}", "\n"),
-}
 
 
 async def request_grammar(grammars: Grammars, body, tool_format: str | None, client: str,
@@ -118,22 +113,16 @@ def response_schema(response_format: ResponseFormat) -> dict[str, Any]:
 
 def forced_tool_tag(fmt: str, tools: list[Tool], parallel: bool, limits: GrammarLimits) -> dict[str, Any]:
     """An xgrammar structural tag: one or more calls of the given tools and nothing else, then EOS."""
-    begin, end, separator = CALL_SHAPES[fmt]
-    tags = []
     cost = SchemaCost()  # one grammar holds every tool's schema: their sizes add up
+    schemas = []
     for i, tool in enumerate(tools):
         schema = tool.function.parameters or {"type": "object"}
         param = f"tools.{i}.function.parameters"
         with refusing_as_invalid(param):
             check_schema(schema, param=param, limits=limits, cost=cost)
-        tags.append({"type": "tag", "begin": begin.format(name=json.dumps(tool.function.name, ensure_ascii=False)),
-                     "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
-                     "end": end})
-    # the bare-JSON format reads one call per answer, so it is forced to one
-    single = not parallel or fmt == "json"
-    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
-                                                 "separator": separator, "at_least_one": True,
-                                                 "stop_after_first": single}}
+        schemas.append((tool.function.name, schema))
+    # each format's own spelling of its calls (app/openai/tools/forced.py)
+    return {"type": "structural_tag", "format": forced_calls_format(fmt, schemas, parallel, MAX_WHITESPACE)}
 
 
 def compile_client(request: Request | None, header: str | None) -> str:

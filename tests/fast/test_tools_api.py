@@ -217,3 +217,155 @@ def test_the_scripted_model_does_make_a_call_when_the_json_is_good():  # the con
         choice = ask(server, stream=False).json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls"
         assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+# ---- every family: its template round-trips a tool conversation, and clients read a scripted model's calls ----
+
+from tool_templates import FAMILY_TEMPLATES  # noqa: E402
+
+from app.openai.tools import choose_tool_format, parse_tool_calls, tool_format  # noqa: E402
+
+FAMILY_TEMPLATES = {"hermes": (HERMES_TEMPLATE, "\n", ("<|im_start|>assistant\n", "<|im_end|>")),
+                    **FAMILY_TEMPLATES}
+CALLED = ("get_weather", {"city": "Paris"})
+
+
+def family_tokenizer(fmt: str, extra_tokens: list[str] = ()):
+    """The tiny Qwen3 tokenizer with the family's template; the generation prompt's end and `extra_tokens` as
+    added tokens, so that a scripted model can start from it and write them."""
+    from tokenizers import AddedToken
+
+    from test_reasoning import qwen3_tokenizer
+
+    template, prompt_end, _ = FAMILY_TEMPLATES[fmt]
+    tokenizer = qwen3_tokenizer()
+    tokenizer.chat_template = template
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (prompt_end, *extra_tokens)
+                          if t and t != "\n"])
+    return tokenizer
+
+
+def history(call_id: str, arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "22 C, sunny"}]
+
+
+@pytest.mark.parametrize("fmt", list(FAMILY_TEMPLATES))
+def test_each_familys_template_is_recognised_and_round_trips_a_tool_conversation(fmt):
+    """The parser's call, sent back as history, renders into the family's template; the parser reads the rendered
+    call back as the same call, and the tool's result is in the prompt."""
+    tokenizer = family_tokenizer(fmt)
+    assert tool_format(tokenizer.chat_template) == fmt
+    assert choose_tool_format(tokenizer)[0] == fmt
+    from tool_families import write
+
+    call = parse_tool_calls(write(fmt, [CALLED]), fmt, ["get_weather"]).tool_calls[0]
+    request = ChatCompletionRequest(model="m", messages=history(call["id"], call["function"]["arguments"]),
+                                    tools=[WEATHER])
+    text = tokenizer.apply_chat_template(request.chat_messages(), tools=request.template_tools(), tokenize=False,
+                                         add_generation_prompt=True)
+    _, prompt_end, (start, end) = FAMILY_TEMPLATES[fmt]
+    assert "22 C, sunny" in text and "get_weather" in text.split("Weather in Paris?")[0]  # tools shown first
+    assert text.endswith(prompt_end if fmt != "mistral" else "[/TOOL_RESULTS]")  # Mistral has no generation prompt
+    after_user = text.index("Weather in Paris?")
+    begin = text.index(start, after_user) + len(start)
+    turn = text[begin:text.index(end, begin)]
+    again = parse_tool_calls(turn, fmt, ["get_weather"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in again.tool_calls] == [CALLED]
+
+
+def test_a_mistral_template_refuses_other_ids_and_takes_the_parsers():
+    tokenizer = family_tokenizer("mistral")
+    request = ChatCompletionRequest(model="m", messages=history("call_1", '{"city": "Paris"}'), tools=[WEATHER])
+    with pytest.raises(Exception, match="length 9"):
+        tokenizer.apply_chat_template(request.chat_messages(), tools=request.template_tools(), tokenize=False)
+
+
+def family_server(fmt: str, answer_tokens: list[str]) -> ThreadServer:
+    from app.config import Settings
+    from app.main import create_app
+
+    from test_reasoning import scripted_lm
+
+    tokenizer = family_tokenizer(fmt, answer_tokens)
+    prompt_end = FAMILY_TEMPLATES[fmt][1]
+    lm = scripted_lm(tokenizer, [prompt_end, *answer_tokens, "<|im_end|>"])
+    return ThreadServer(create_app(Settings(model="qwen3-tiny"), lm=lm))
+
+
+def answer_tokens(text: str) -> list[str]:
+    """The family's text in three tokens, cut inside the call, so that its markers and arguments arrive split."""
+    a, b = len(text) // 3, 2 * len(text) // 3
+    return [text[:a], text[a:b], text[b:]]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("fmt", list(FAMILY_TEMPLATES))
+def test_the_openai_sdk_and_langchain_read_each_familys_calls_streamed_and_not(fmt):
+    import openai
+    from langchain_openai import ChatOpenAI
+
+    from tool_families import write
+
+    text = write(fmt, [CALLED], content="Let me check. ")
+    with family_server(fmt, answer_tokens(text)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        ask = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [WEATHER], "temperature": 0, "max_tokens": 12}
+        whole = client.chat.completions.create(**ask)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALLED[1]
+        if fmt == "mistral":
+            assert len(call.id) == 9 and call.id.isalnum()
+
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert content == "Let me check. " and finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [CALLED]
+
+        # the second turn: the call and its result go back through the family's template
+        follow = client.chat.completions.create(**{**ask, "messages": [
+            ask["messages"][0], choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]})
+        assert follow.choices[0].finish_reason in ("tool_calls", "stop", "length")
+
+        llm = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="qwen3-tiny", temperature=0, max_tokens=12,
+                         max_retries=0)
+        message = llm.bind_tools([WEATHER]).invoke("Weather in Paris?")
+        assert [(c["name"], c["args"]) for c in message.tool_calls] == [CALLED]
+
+
+@pytest.mark.full
+def test_the_start_log_names_the_chosen_parser_and_a_setting_forces_another(caplog):
+    from app.config import Settings
+    from app.main import create_app
+
+    from test_reasoning import scripted_lm
+    from tool_families import write
+
+    tokens = answer_tokens(write("mistral", [CALLED]))
+    tokenizer = family_tokenizer("hermes", tokens)  # a Hermes template, but the model writes Mistral's calls
+    lm = scripted_lm(tokenizer, ["\n", *tokens, "<|im_end|>"])
+    ask = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
+           "temperature": 0, "max_tokens": 12}
+    with caplog.at_level("INFO", logger="app.state"):
+        with ThreadServer(create_app(Settings(model="qwen3-tiny"), lm=lm)) as server:
+            auto = httpx.post(server.url + CHAT, json=ask, timeout=30).json()["choices"][0]
+        assert "tool calls: hermes (auto, from the chat template)" in caplog.text
+        assert auto["finish_reason"] == "stop" and "[TOOL_CALLS]" in auto["message"]["content"]  # not Hermes: text
+        with ThreadServer(create_app(Settings(model="qwen3-tiny", tool_call_parser="mistral"), lm=lm)) as server:
+            forced = httpx.post(server.url + CHAT, json=ask, timeout=30).json()["choices"][0]
+    assert "tool calls: mistral (TOOL_CALL_PARSER=mistral)" in caplog.text
+    assert forced["finish_reason"] == "tool_calls" and forced["message"]["content"] is None
+    assert json.loads(forced["message"]["tool_calls"][0]["function"]["arguments"]) == CALLED[1]

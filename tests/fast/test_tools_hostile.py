@@ -165,3 +165,68 @@ def test_parsing_work_grows_linearly_with_the_call(fmt):
     work_big = lines_run(big, budget=30 * work_small, fmt=fmt)
     assert work_big <= 15 * work_small, (work_small, work_big)  # linear: ~10x; rescanning the body: ~100x
     assert parse_tool_calls(big, fmt, TOOLS).tool_calls[0]["function"]["name"] == "write_file"
+
+
+# ---- every family: broken text stays content, random marker soup splits consistently, linear work ----
+
+from tool_families import FAMILIES, SCHEMAS, broken, parser_name, write  # noqa: E402
+
+FAMILY_TOOLS = list(SCHEMAS)
+FAMILY_FRAGMENTS = FRAGMENTS + [
+    "<|python_tag|>", "<|python_start|>", "<|python_end|>", "get_weather(", ")", "=", "[TOOL_CALLS]", "[ARGS]",
+    "get_weather", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>", "function", "<|tool_call|>", "<|/tool_call|>", "functools[", "<function=get_time>",
+    "<parameter=tz>", "</parameter>", "<|start|>assistant", "<|channel|>commentary to=functions.get_time ",
+    "<|channel|>final", "<|constrain|>json", "<|message|>", "<|call|>", "<|", "[TOOL", "<｜tool",
+]
+
+
+def family_feed(text: str, pieces: list[str], fmt: str) -> list:
+    parser = make_parser(parser_name(fmt), FAMILY_TOOLS, True, SCHEMAS)
+    out = []
+    for piece in pieces:
+        out += parser.feed(piece)
+    return out + parser.finish()
+
+
+@pytest.mark.parametrize("fmt", FAMILIES)
+def test_each_familys_broken_and_deep_calls_never_raise_and_stay_content(fmt):
+    deep = write(fmt, [("get_weather", '{"city": ' + "[" * 5000 + "]" * 5000 + "}")])
+    if parser_name(fmt) == "pythonic":
+        deep = write(fmt, [("get_weather", "city=" + "[" * 5000 + "]" * 5000)])
+    for text in (broken(fmt), deep, "Checking.\n" + broken(fmt) + "\nDone."):
+        whole = parse_tool_calls(text, parser_name(fmt), FAMILY_TOOLS, schemas=SCHEMAS)
+        assert whole.tool_calls == [] and whole.content == text
+        items = family_feed(text, list(text) if len(text) < 1000 else [text[:7], text[7:]], fmt)
+        assert not any(isinstance(i, ToolCallDelta) for i in items) and "".join(items) == text
+
+
+@pytest.mark.full
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(FAMILY_FRAGMENTS), max_size=30), st.data(), st.sampled_from(FAMILIES))
+def test_random_marker_soup_never_raises_and_splits_consistently_in_every_family(fragments, data, fmt):
+    text = "".join(fragments)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=12))))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    whole = parse_tool_calls(text, parser_name(fmt), FAMILY_TOOLS, schemas=SCHEMAS)
+    got = collect(family_feed(text, pieces, fmt))
+    assert got.content == whole.content
+    assert [c["function"] for c in got.tool_calls] == [c["function"] for c in whole.tool_calls]
+    for c in whole.tool_calls:
+        assert isinstance(json.loads(c["function"]["arguments"]), dict)
+
+
+def family_write_file(fmt: str, size: int) -> str:
+    content = ("def f(x):\n    return {\"x\": [x, 'y']}\n" * (size // 36 + 1))[:size]
+    return write(fmt, [("write_file", {"path": "a.py", "content": content})])
+
+
+@pytest.mark.parametrize("fmt", [f for f in FAMILIES if f != "hermes"])
+def test_each_familys_parsing_work_grows_linearly_with_the_call(fmt, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "TOOLS", FAMILY_TOOLS)  # lines_run's parser offers write_file
+    small, big = family_write_file(fmt, 2_000), family_write_file(fmt, 20_000)
+    work_small = lines_run(small, budget=10**7, fmt=parser_name(fmt))
+    work_big = lines_run(big, budget=30 * work_small, fmt=parser_name(fmt))
+    assert work_big <= 15 * work_small, (work_small, work_big)
+    answer = parse_tool_calls(big, parser_name(fmt), FAMILY_TOOLS, schemas=SCHEMAS)
+    assert json.loads(answer.tool_calls[0]["function"]["arguments"])["content"].startswith("def f(x):")

@@ -10,11 +10,11 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-_ID_CHARS = string.ascii_letters + string.digits
+ID_CHARS = string.ascii_letters + string.digits
 
 
 def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+    return "call_" + "".join(secrets.choice(ID_CHARS) for _ in range(24))
 
 
 @dataclass
@@ -147,10 +147,15 @@ class TagOutsideStrings:
 class ToolCallParser:
     """Base: feed text deltas, get content strings and ToolCallDeltas; `finish()` at the end of the answer."""
 
-    def __init__(self, tool_names: list[str] | frozenset[str] = (), parallel: bool = True):
+    def __init__(self, tool_names: list[str] | frozenset[str] = (), parallel: bool = True,
+                 schemas: dict[str, Any] | None = None):
         self.tool_names = frozenset(tool_names)
         self.parallel = parallel
+        self.schemas = schemas or {}  # tool name -> its `parameters` schema (formats whose values are untyped text)
         self.calls = 0  # calls started so far
+
+    def new_id(self) -> str:
+        return new_call_id()
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         raise NotImplementedError
@@ -161,7 +166,7 @@ class ToolCallParser:
     def _whole_calls(self, calls: list[tuple[str, str]]) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []
         for name, arguments in calls[: None if self.parallel else 1]:
-            call_id = new_call_id()
+            call_id = self.new_id()
             out += [ToolCallDelta(self.calls, id=call_id, name=name), ToolCallDelta(self.calls, arguments)]
             self.calls += 1
         return out
@@ -187,3 +192,29 @@ def collect(items: list[str | ToolCallDelta]) -> ParsedAnswer:
             calls[item.index]["function"]["arguments"] += item.arguments
     text = "".join(content)
     return ParsedAnswer(text if text.strip() else None, [calls[i] for i in sorted(calls)])
+
+
+def json_list_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, str]] | None:
+    """A JSON list of {"name", "arguments" (or "parameters")} objects, or one such object, if every one is a call
+    of an offered tool; else None (Mistral's, Granite's and Phi-4-mini's lists)."""
+    try:
+        obj = loads_model_json(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [call_from_json(item, tool_names) for item in items]
+    return calls if calls and all(calls) else None
+
+
+def named_call(name: str, arguments: str, tool_names: frozenset[str]) -> tuple[str, str] | None:
+    """A call written as a name and a JSON object apart (Mistral's `name[ARGS]{...}`, DeepSeek's, harmony's):
+    (name, the arguments as the model wrote them), or None unless the name is offered and the arguments an
+    object."""
+    name, arguments = name.strip(), arguments.strip() or "{}"
+    if not name or any(ch.isspace() for ch in name) or (tool_names and name not in tool_names):
+        return None
+    try:
+        args = loads_model_json(arguments)
+    except ValueError:
+        return None
+    return (name, arguments) if isinstance(args, dict) else None

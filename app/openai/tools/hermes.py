@@ -71,8 +71,8 @@ def parse_body(body: str, tool_names: frozenset[str]) -> tuple[str, str] | None:
 class HermesToolParser(ToolCallParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more; plus the coder-model habits."""
 
-    def __init__(self, tool_names=(), parallel: bool = True):
-        super().__init__(tool_names, parallel)
+    def __init__(self, tool_names=(), parallel: bool = True, schemas=None):
+        super().__init__(tool_names, parallel, schemas)
         self.state = "start"  # start -> text -> call -> between -> call ... | json (bare JSON habit) | function
         self.start: StartOfAnswer | None = StartOfAnswer()
         self.pending = ""  # text not yet shown: a tail that could still become a tag (a few characters at most)

@@ -78,8 +78,8 @@ class JsonToolParser(ToolCallParser):
 
     Such an answer is held back until it ends, because only the whole text tells a call from a JSON answer."""
 
-    def __init__(self, tool_names=(), parallel: bool = True):
-        super().__init__(tool_names, parallel)
+    def __init__(self, tool_names=(), parallel: bool = True, schemas=None):
+        super().__init__(tool_names, parallel, schemas)
         self.start: StartOfAnswer | None = StartOfAnswer()
         self.held: list[str] = []  # a maybe-call, joined once at the end
         self.mode: str | None = None  # None: undecided, "text": plain content, "json": maybe a call

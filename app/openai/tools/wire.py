@@ -120,5 +120,9 @@ class ToolFields(BaseModel):
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or ()]
 
+    def tool_schemas(self) -> dict[str, Any]:
+        """Tool name -> its `parameters` schema: formats that write values as text type them by it (Qwen3-Coder)."""
+        return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
