@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     max_content_blocks: int = Field(8192, ge=1, description="content blocks and tool calls in all of a request's "
                                     "messages together (400 past it, before validation)")
     max_tools: int = Field(128, ge=1, description="tools in a request (400 past it, before validation)")
+    max_prompt_logprob_entries: int = Field(1_000_000, ge=1, description="prompt logprob entries one request may "
+                                            "return: prompt tokens x (alternatives + 1) x choices, for `echo` with "
+                                            "`logprobs` or `prompt_logprobs` (400 past it, before anything runs)")
     max_preparing: int = Field(16, ge=1, description="requests being parsed, validated, templated or tokenized at "
                                "once, queued or running (429 past it)")
     prepare_workers: int = Field(2, ge=1, description="threads that parse, validate, template and tokenize "

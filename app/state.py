@@ -141,7 +141,7 @@ class ServerState:
         self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                          grammar_limits(s), s.sse_send_timeout_s, self.preparing,
                                          s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
-                                         self.adapters)
+                                         self.adapters, s.max_prompt_logprob_entries)
         self.probe_prompt = self.lm.encode_text("Hello")
         await self._warm_up()
 
