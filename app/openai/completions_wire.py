@@ -64,11 +64,12 @@ class ChatApi(WireApi):
     # ---- one JSON body ----
 
     async def whole(self, answer: Answer, choices: list[Choice], headers: dict[str, str]) -> Response:
-        await self.lay_out_scores(answer, choices)
-        body = self.body(answer, choices)
         if not answer.echo.asked:
-            return Response(json_text(body, depth=0), media_type="application/json", headers=headers)
-        return Response(await self.serving.off_loop(json_text, body), media_type="application/json", headers=headers)
+            return Response(json_text(self.body(answer, choices), depth=0), media_type="application/json",
+                            headers=headers)
+        await self.lay_out_scores(answer, choices)
+        written = await self.serving.off_loop(lambda: json_text(self.body(answer, choices)))
+        return Response(written, media_type="application/json", headers=headers)
 
     def body(self, answer: Answer, choices: list[Choice]) -> dict[str, Any]:
         echo = answer.echo
@@ -114,9 +115,12 @@ class ChatApi(WireApi):
                     continue
                 await self.lay_out_scores(answer, choices)
             for c, delta in held:
-                scored = c.index in first and answer.echo.asked
-                for chunk in self.delta_chunks(answer, c, delta, c.index in first):
-                    yield await self.written(chunk) if scored else self.sse(chunk)
+                if c.index in first and answer.echo.asked:  # it carries the prompt's scores: written off the loop
+                    for data in await self.serving.off_loop(self.written, answer, c, delta):
+                        yield {"data": data}
+                else:
+                    for chunk in self.delta_chunks(answer, c, delta, c.index in first):
+                        yield self.sse(chunk)
                 first.discard(c.index)
             held.clear()
         if answer.include_usage:
@@ -151,9 +155,9 @@ class ChatApi(WireApi):
             payload["inspect"] = delta.inspect
         return chunks + [self.chunk(answer, [payload])]
 
-    async def written(self, chunk: dict[str, Any]) -> dict[str, str]:
-        """A chunk that carries the prompt's scores, as an SSE event written on a prepare worker."""
-        return {"data": await self.serving.off_loop(json_text, chunk)}
+    def written(self, answer: Answer, c: Choice, delta: Delta) -> list[str]:
+        """A choice's first chunks, which carry the prompt's scores, made and written as JSON (on a prepare worker)."""
+        return [json_text(chunk) for chunk in self.delta_chunks(answer, c, delta, True)]
 
     @staticmethod
     def sse(chunk: dict[str, Any]) -> dict[str, str]:

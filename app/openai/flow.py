@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -31,9 +31,6 @@ from app.errors import InvalidRequest, ServeError
 from app.openai.answer import Choice
 from app.openai.sse import event_stream
 from app.openai.stream_parts import record_timing
-
-if TYPE_CHECKING:
-    from app.openai.serving import CompletionServing
 
 log = logging.getLogger("app.openai.flow")
 FINISHED, FAILED = "finished", "failed"  # how a stream ended; a client that left is neither
@@ -56,8 +53,8 @@ class WireApi:
     done_after: frozenset[str] = frozenset({FINISHED, FAILED})  # outcomes after which `data: [DONE]` is sent
     param_names: Mapping[str, str] = {}  # the chat request's field names -> this API's, for error params
 
-    def __init__(self, serving: CompletionServing):
-        self.serving = serving
+    def __init__(self, serving):
+        self.serving = serving  # app/openai/serving.py's CompletionServing (which imports this module)
 
     async def prepare(self, body) -> Prepared:
         raise NotImplementedError

@@ -6,7 +6,7 @@ the first token event; this module only lays it out. In the legacy shape the pro
 its logprob and top alternatives (the first token's are null: nothing came before it), then the answer's, and
 `text_offset` counts characters through both, across a stream's chunks as in the whole answer.
 
-Laying it out is what costs: issue 45's request (a 3,200-token prompt, 20 alternatives, `n` 8) was half a million
+Laying it out is what costs: a 3,200-token prompt scored with 20 alternatives and `n` 8 was half a million
 entries, each decoded to a string, in two shapes, then tens of MB of JSON, all on the event loop, and each of the
 `n` choices had scored the whole prompt again in the engine. So: one choice scores the prompt and the others reuse
 its scores (`PromptScores`); they are formatted once per request, each distinct token id decoded once, on a prepare
@@ -25,7 +25,7 @@ from typing import Any
 from app.core.sequence import PromptLogprob
 from app.errors import InvalidRequest
 
-JSON_PIECE = 256  # list items per json.dumps call: the C encoder holds the GIL for a whole call
+JSON_PIECE = 64  # list items per json.dumps call: the C encoder holds the GIL for a whole call (see json_text)
 
 
 def check_prompt_scores(prompt_tokens: int, top: int | None, n: int, limit: int, param: str) -> None:
@@ -47,6 +47,7 @@ class PromptScores:
 
     entries: list[dict[str, Any]] | None = None
     vllm: list[dict[str, Any] | None] | None = None
+    columns: dict[str, list] | None = None  # `entries` in the legacy column layout, laid out once for every choice
 
 
 def format_prompt_scores(tokenizer, prompt_ids: list[int], scored: list[PromptLogprob], legacy: bool,
@@ -64,6 +65,7 @@ def format_prompt_scores(tokenizer, prompt_ids: list[int], scored: list[PromptLo
         scores.entries = [{"token": text(prompt_ids[0]), "logprob": None, "top_logprobs": None}]
         scores.entries += [{"token": text(e.token_id), "logprob": e.logprob,
                             "top_logprobs": [{"token": text(t), "logprob": lp} for t, lp in e.top]} for e in scored]
+        scores.columns = legacy_logprobs(scores.entries)
     if vllm:
         scores.vllm = [None]
         for e in scored:
@@ -89,8 +91,9 @@ def legacy_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, 
 
 def json_text(value: Any, depth: int = 5) -> str:
     """`json.dumps(value, ensure_ascii=False)` with JSONResponse's separators, written in pieces: containers down to
-    `depth` are walked and long lists dumped JSON_PIECE items at a time, so that no call holds the GIL for long (one
-    call on issue 45's 60 MB answer held it, and stalled every probe, for about half a second)."""
+    `depth` are walked and long lists dumped JSON_PIECE items at a time, so that no call holds the GIL for long. The
+    answer of the module docstring (51 MB) took 10 s in one call on the shared 2-core machine, all of it with the GIL
+    held; in pieces of 256 positions its longest call took 92 ms, so pieces of 64 positions hold it ~25 ms."""
     parts: list[str] = []
 
     def dumps(v: Any) -> str:
@@ -172,12 +175,17 @@ class Echo:
             text, entries = "", []
         if self.missing:  # no score that looks like one: neither the prompt nor any logprobs
             return text, None
+        prompt = None
         if self.text is not None and with_prompt:
             text = self.text + text
             if self.legacy:
-                entries = self.scores.entries + entries
+                prompt = self.scores.columns
+                self.offsets[choice.index] = sum(len(e["token"]) for e in self.scores.entries)
         if not choice.handle.params.logprobs:
             return text, None
-        laid_out = legacy_logprobs(entries, self.offsets.get(choice.index, 0))
-        self.offsets[choice.index] = sum(len(e["token"]) for e in entries) + self.offsets.get(choice.index, 0)
-        return text, laid_out
+        start = self.offsets.get(choice.index, 0)
+        columns = legacy_logprobs(entries, start)
+        self.offsets[choice.index] = start + sum(len(e["token"]) for e in entries)
+        if prompt is not None:  # new lists: the prompt's columns are shared by every choice
+            columns = {name: prompt[name] + values for name, values in columns.items()}
+        return text, columns
