@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -73,20 +74,22 @@ class MessagesApi(WireApi):
 
     async def events(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
         yield answer.event("message_start", message=answer.message(None))
-        async for item in with_pings(self.serving.deltas(choices), PING_S):
-            if item is None:
-                yield answer.event("ping")
-                continue
-            choice, delta = item
-            for event in answer.delta_events(delta):
-                yield event
-            if delta.finish_reason is not None:
-                for event in answer.close():
+        async with aclosing(with_pings(self.serving.deltas(choices), PING_S)) as items:
+            async for item in items:
+                if item is None:
+                    yield answer.event("ping")
+                    continue
+                choice, delta = item
+                for event in answer.delta_events(delta):
                     yield event
-                final = answer.message(choice)
-                yield answer.event("message_delta", usage=final["usage"],
-                                   delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]})
-                yield answer.event("message_stop")
+                if delta.finish_reason is not None:
+                    for event in answer.close():
+                        yield event
+                    final = answer.message(choice)
+                    yield answer.event("message_delta", usage=final["usage"], delta={
+                        "stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]})
+                    yield answer.event("message_stop")
+                    return  # the last event: no ping may follow it while the handle closes
 
     def error_event(self, answer: Answer, err: ServeError) -> dict[str, str]:  # Anthropic's shape
         return {"event": "error", "data": json.dumps(anthropic_error(anthropic_status(err.status), err.message))}

@@ -111,7 +111,7 @@ class ChatApi(WireApi):
         async for c, delta in self.serving.deltas(choices):
             held.append((c, delta))
             if answer.echo.asked and not answer.echo.laid_out:
-                if not started(choices[0]):
+                if not first_event_came(choices[0]):
                     continue
                 await self.lay_out_scores(answer, choices)
             for c, delta in held:
@@ -174,6 +174,6 @@ class CompletionsApi(ChatApi):
         return Prepared(body, prompt_ids, chat=False, prompt=prompt)
 
 
-def started(choice: Choice) -> bool:
+def first_event_came(choice: Choice) -> bool:
     """The choice's first event has come (it carries the prompt's scores, or a deadline ended it without)."""
     return choice.prompt_logprobs is not None or choice.tokens > 0 or choice.finish_reason is not None

@@ -109,7 +109,8 @@ def json_text(value: Any, depth: int = 5) -> str:
         elif level < depth and isinstance(v, list) and v:
             parts.append("[")
             if len(v) > JSON_PIECE:
-                parts.extend(("," if i else "") + dumps(v[i:i + JSON_PIECE])[1:-1] for i in range(0, len(v), JSON_PIECE))
+                parts.extend(("," if i else "") + dumps(v[i:i + JSON_PIECE])[1:-1]
+                             for i in range(0, len(v), JSON_PIECE))
             else:
                 for i, item in enumerate(v):
                     parts.append("," if i else "")

@@ -125,7 +125,7 @@ class CompletionServing:
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
               grammar: Grammar | None = None) -> tuple[list[Choice], dict]:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
-        Chat completions and the Responses API both come through here."""
+        Every generating API comes through here (app/openai/flow.py)."""
         reasoning = self.reasoning if chat else None
         adapter = self.check_model(body.model)  # again: it may have been unloaded while the prompt was prepared
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt

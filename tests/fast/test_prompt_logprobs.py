@@ -184,7 +184,8 @@ def test_n_choices_share_one_scoring_of_the_prompt_and_keep_their_answers(make_t
 
     scored_rows = []
     real = sequence.score_tokens
-    monkeypatch.setattr(sequence, "score_tokens", lambda logits, *a: scored_rows.append(len(logits)) or real(logits, *a))
+    monkeypatch.setattr(sequence, "score_tokens",
+                        lambda logits, *a: scored_rows.append(len(logits)) or real(logits, *a))
     server = make_tiny_server()
     ids = encode(tiny_lm, PROMPT)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
@@ -194,7 +195,8 @@ def test_n_choices_share_one_scoring_of_the_prompt_and_keep_their_answers(make_t
     for scored, alone in zip(r["choices"], plain["choices"]):
         assert scored["text"] == PROMPT + alone["text"]  # each choice's answer as without scoring
         assert scored["prompt_logprobs"] == r["choices"][0]["prompt_logprobs"]
-        assert scored["logprobs"]["token_logprobs"][:len(ids)] == r["choices"][0]["logprobs"]["token_logprobs"][:len(ids)]
+        first = r["choices"][0]["logprobs"]
+        assert scored["logprobs"]["token_logprobs"][:len(ids)] == first["token_logprobs"][:len(ids)]
     assert torch.allclose(torch.tensor(r["choices"][2]["logprobs"]["token_logprobs"][1:len(ids)]),
                           reference_logprobs(tiny_lm, ids), atol=1e-4)
     chunks = [c for c in streamed(server, COMPLETIONS, body | {"echo": True, "logprobs": 2, "prompt_logprobs": 2})

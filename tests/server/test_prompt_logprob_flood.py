@@ -1,6 +1,7 @@
 """Four clients scoring long prompts cost the server no probe (issue 45, finding 2): a live server, 4 concurrent
 /v1/completions requests with `echo`, `logprobs: 20`, `prompt_logprobs: 20`, `n: 8`, `max_tokens: 1` on
-"the quick brown fox " repeated, while `/health` is timed every 20 ms from a process of its own (test_body_flood's probe).
+"the quick brown fox " repeated, while `/health` is timed every 20 ms from a process of its own (test_body_flood's
+probe).
 
 The issue's prompt is 800 repeats on SmolLM2, 3,201 tokens; the tiny tokenizer splits words finer, so 200 repeats
 make the same 3,201 tokens here: 3,201 x 21 x 8 = 537,768 entries per answer in each layout, ~51 MB of JSON, which
