@@ -21,6 +21,7 @@ from app.openai.answer import Choice, Delta
 from app.openai.flow import Prepared, WireApi
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.openai.scoring import Echo, json_text
+from app.openai.sse import encoded_event
 from app.openai.stream_parts import tool_payloads, usage
 
 
@@ -68,8 +69,8 @@ class ChatApi(WireApi):
             return Response(json_text(self.body(answer, choices), depth=0), media_type="application/json",
                             headers=headers)
         await self.lay_out_scores(answer, choices)
-        written = await self.serving.off_loop(lambda: json_text(self.body(answer, choices)))
-        return Response(written, media_type="application/json", headers=headers)
+        written = await self.serving.off_loop(lambda: json_text(self.body(answer, choices)).encode())
+        return Response(written, media_type="application/json", headers=headers)  # bytes: sent as they are
 
     def body(self, answer: Answer, choices: list[Choice]) -> dict[str, Any]:
         echo = answer.echo
@@ -116,8 +117,8 @@ class ChatApi(WireApi):
                 await self.lay_out_scores(answer, choices)
             for c, delta in held:
                 if c.index in first and answer.echo.asked:  # it carries the prompt's scores: written off the loop
-                    for data in await self.serving.off_loop(self.written, answer, c, delta):
-                        yield {"data": data}
+                    for event in await self.serving.off_loop(self.written, answer, c, delta):
+                        yield event
                 else:
                     for chunk in self.delta_chunks(answer, c, delta, c.index in first):
                         yield self.sse(chunk)
@@ -155,9 +156,10 @@ class ChatApi(WireApi):
             payload["inspect"] = delta.inspect
         return chunks + [self.chunk(answer, [payload])]
 
-    def written(self, answer: Answer, c: Choice, delta: Delta) -> list[str]:
-        """A choice's first chunks, which carry the prompt's scores, made and written as JSON (on a prepare worker)."""
-        return [json_text(chunk) for chunk in self.delta_chunks(answer, c, delta, True)]
+    def written(self, answer: Answer, c: Choice, delta: Delta) -> list[bytes]:
+        """A choice's first chunks, which carry the prompt's scores, made and written as SSE events (on a prepare
+        worker)."""
+        return [encoded_event(json_text(chunk)) for chunk in self.delta_chunks(answer, c, delta, True)]
 
     @staticmethod
     def sse(chunk: dict[str, Any]) -> dict[str, str]:

@@ -63,7 +63,8 @@ class WireApi:
         """The answer being written (anything with an `id`, the response id the access log names)."""
         raise NotImplementedError
 
-    def events(self, answer, choices: list[Choice], request: Request) -> AsyncIterator[dict[str, str]]:
+    def events(self, answer, choices: list[Choice], request: Request) -> AsyncIterator[dict[str, str] | bytes]:
+        """The stream's events: dicts as sse_starlette takes them, or an event already encoded (app/openai/sse.py)."""
         raise NotImplementedError
 
     def error_event(self, answer, err: ServeError) -> dict[str, str]:
@@ -96,7 +97,8 @@ async def create(api: WireApi, body, request: Request) -> Response:
         raise api.renamed(err)
 
 
-async def stream_loop(api: WireApi, answer, choices: list[Choice], request: Request) -> AsyncIterator[dict[str, str]]:
+async def stream_loop(api: WireApi, answer, choices: list[Choice],
+                      request: Request) -> AsyncIterator[dict[str, str] | bytes]:
     """The one stream loop (see the module docstring)."""
     outcome = None
     try:
