@@ -119,6 +119,9 @@ class Settings(BaseSettings):
         "auto", description="how tool calls are read from the model's text (docs/tools-and-structured-outputs.md); "
         "auto: from the chat template and the tokenizer's special tokens (the start log says which); a name forces "
         "that format")
+    max_prompt_logprob_entries: int = Field(1_000_000, ge=1, description="prompt logprob entries one request may "
+                                            "return: prompt tokens x (alternatives + 1) x choices, for `echo` with "
+                                            "`logprobs` or `prompt_logprobs` (400 past it, before anything runs)")
     max_preparing: int = Field(16, ge=1, description="requests being parsed, validated, templated or tokenized at "
                                "once, queued or running (429 past it)")
     prepare_workers: int = Field(2, ge=1, description="threads that parse, validate, template and tokenize "

@@ -24,7 +24,7 @@ from app.models.lora import LoraAdapters
 from app.core.sampling import SamplingParams
 from app.openai.embeddings.serving import EmbeddingServing
 from app.openai.serving import CompletionServing
-from app.openai.tools import choose_tool_format
+from app.openai.tools import choose_tool_format, tool_markers
 from app.prepare import Preparing
 from app.probes import GenerateProbe
 from app.tracing import tracing_from_env
@@ -148,8 +148,10 @@ class ServerState:
         self.serving = CompletionServing(self.engine, self.lm, s.model_id, s.default_max_tokens,
                                          grammar_limits(s), s.sse_send_timeout_s, self.preparing,
                                          s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
-                                         self.adapters, reasoning_parser=s.reasoning_parser)
+                                         self.adapters, s.max_prompt_logprob_entries,
+                                         reasoning_parser=s.reasoning_parser)
         self.serving.tool_format, why = choose_tool_format(self.lm.tokenizer, s.tool_call_parser)
+        self.serving.tool_markers = tool_markers(self.lm.tokenizer, self.serving.tool_format)
         log.info("tool calls: %s (%s)", self.serving.tool_format or "not served", why)
         self.probe_prompt = self.lm.encode_text("Hello")
         await self._warm_up()

@@ -1,5 +1,5 @@
-"""Anthropic's Messages API: the chat completions path underneath (`CompletionServing.start`, `.deltas`, `.collect`),
-Anthropic's wire shape on top.
+"""Anthropic's Messages API: the shared flow underneath (app/openai/flow.py: the chat completions path and the one
+stream loop), Anthropic's wire shape on top (`MessagesApi`).
 
 The request becomes the chat request it means (protocol.py), so the template, sampling parameters, grammar, engine,
 reasoning split, tool-call parsers, limits and metrics are the chat path's own. What differs is how the answer is
@@ -12,7 +12,7 @@ written:
 - a stream is `message_start`, then per block `content_block_start`, its deltas (`thinking_delta`, `text_delta`,
   `input_json_delta`, never an empty one) and `content_block_stop`, then `message_delta` (stop reason and final
   usage) and `message_stop`. `ping` comes whenever nothing else has for PING_S (a long prompt prefilling). A
-  failure after the 200 is an `error` event, and the stream ends there.
+  failure after the 200 is an `error` event, and the stream ends there; no stream ends with `[DONE]`.
 Whitespace alone (the model's newline before a tool call, say) makes no text block; Claude's answers have none.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -31,12 +31,8 @@ from app.anthropic.errors import anthropic_error, anthropic_status
 from app.anthropic.protocol import CHAT_TO_MESSAGES_PARAM, CountTokensRequest, MessagesRequest, _Conversation
 from app.errors import InvalidRequest, ServeError
 from app.openai.answer import Choice, Delta, choice_calls
-from app.openai.protocol import ChatCompletionRequest
+from app.openai.flow import Prepared, WireApi, create
 from app.openai.serving import CompletionServing
-from app.openai.stream_parts import record_timing
-from app.openai.sse import event_stream
-
-log = logging.getLogger("app.anthropic.serving")
 PING_S = 5.0  # a `ping` event after this long without any other
 # A deadline's "timeout" is Anthropic's "max_tokens": the answer was cut short by a limit, which is what its clients
 # know how to show; Anthropic has no reason of its own for it (docs/operations.md).
@@ -44,47 +40,42 @@ STOP_REASONS = {"length": "max_tokens", "timeout": "max_tokens", "tool_calls": "
 
 
 class MessagesServing:
+    """The routes' entry points (app/api.py)."""
+
     def __init__(self, serving: CompletionServing):
         self.serving = serving
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """The prompt a Messages request would get, counted by the served model's own tokenizer and template."""
-        _, prompt_ids = await self._prompt(body)
-        return {"input_tokens": len(prompt_ids)}
+        self.serving.check_model(body.model)
+        api = MessagesApi(self.serving)
+        try:
+            prepared = await api.prepare(body)
+        except InvalidRequest as err:
+            raise api.renamed(err)
+        return {"input_tokens": len(prepared.prompt_ids)}
 
     async def create(self, body: MessagesRequest, request: Request):
-        chat, prompt_ids = await self._prompt(body)
-        try:
-            grammar = await self.serving.grammar(chat, request)  # a forced tool_choice
-            choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
-        except InvalidRequest as err:
-            raise renamed(err)
-        answer = Answer(self.serving.served_name(choices), len(prompt_ids), getattr(request.state, "x_request_id", None))
-        request.state.request_id = answer.id
-        if body.stream:
-            await self.serving.started(choices)
-            return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
-        await self.serving.collect(choices, request)
-        choice = choices[0]
-        answer.delta_events(Delta("".join(choice.reasoning), "".join(choice.text), finish_reason=choice.finish_reason,
-                                  tool_calls=choice_calls(choice)))
-        answer.close()
-        return JSONResponse(answer.message(choice), headers=headers)
+        return await create(MessagesApi(self.serving), body, request)
 
-    async def _prompt(self, body: _Conversation) -> tuple[ChatCompletionRequest, list[int]]:
-        self.serving.check_model(body.model)
+
+class MessagesApi(WireApi):
+    done_after = frozenset()  # Anthropic's streams end with message_stop, or with an error event
+    param_names = CHAT_TO_MESSAGES_PARAM
+
+    async def prepare(self, body: _Conversation) -> Prepared:
         # validates the chat request: on a prepare worker, not on the loop
         chat = await self.serving.preparing.run(body.to_chat_request, self.serving.reasoning is not None)
-        try:
-            return chat, await self.serving.encode_chat(chat, continue_final=body.prefill)
-        except InvalidRequest as err:
-            raise renamed(err)
+        return Prepared(chat, await self.serving.encode_chat(chat, continue_final=body.prefill))
 
-    async def _stream(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
-        finished = failed = False
-        try:
-            yield answer.event("message_start", message=answer.message(None))
-            async for item in with_pings(self.serving.deltas(choices), PING_S):
+    def answer(self, body: MessagesRequest, prepared: Prepared, choices: list[Choice], request: Request) -> Answer:
+        return Answer(self.serving.served_name(choices), len(prepared.prompt_ids),
+                      getattr(request.state, "x_request_id", None))
+
+    async def events(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
+        yield answer.event("message_start", message=answer.message(None))
+        async with aclosing(with_pings(self.serving.deltas(choices), PING_S)) as items:
+            async for item in items:
                 if item is None:
                     yield answer.event("ping")
                     continue
@@ -95,28 +86,20 @@ class MessagesServing:
                     for event in answer.close():
                         yield event
                     final = answer.message(choice)
-                    yield answer.event("message_delta", usage=final["usage"],
-                                       delta={"stop_reason": final["stop_reason"],
-                                              "stop_sequence": final["stop_sequence"]})
+                    yield answer.event("message_delta", usage=final["usage"], delta={
+                        "stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]})
                     yield answer.event("message_stop")
-            finished = True
-        except ServeError as err:  # after the 200: an `error` event in Anthropic's shape, and the stream ends
-            failed = True
-            log.warning("message %s failed: %s", answer.id, err.message)
-            request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
-            yield {"event": "error", "data": json.dumps(anthropic_error(anthropic_status(err.status), err.message))}
-        finally:
-            if not finished:
-                for c in choices:  # after a failure, stopped by us, not by the client
-                    c.handle.cancel(client_left=not failed)
-                request.state.cancelled = not failed
-            record_timing(request, choices)
+                    return  # the last event: no ping may follow it while the handle closes
 
+    def error_event(self, answer: Answer, err: ServeError) -> dict[str, str]:  # Anthropic's shape
+        return {"event": "error", "data": json.dumps(anthropic_error(anthropic_status(err.status), err.message))}
 
-def renamed(err: InvalidRequest) -> InvalidRequest:
-    """The chat path names its own fields: name the ones this client sent."""
-    err.param = CHAT_TO_MESSAGES_PARAM.get(err.param, err.param)
-    return err
+    async def whole(self, answer: Answer, choices: list[Choice], headers: dict[str, str]) -> JSONResponse:
+        choice = choices[0]
+        answer.delta_events(Delta("".join(choice.reasoning), "".join(choice.text), finish_reason=choice.finish_reason,
+                                  tool_calls=choice_calls(choice)))
+        answer.close()
+        return JSONResponse(answer.message(choice), headers=headers)
 
 
 async def with_pings(items: AsyncIterator, every: float) -> AsyncIterator:

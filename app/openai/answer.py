@@ -51,6 +51,7 @@ class Choice:
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     parser: ToolCallParser | None = None  # set when the answer is searched for tool calls
+    tool_markers: dict[int, str] = field(default_factory=dict)  # with a parser: its markers decoding drops, by id
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index, as parsed so far
     prompt_logprobs: list | None = None  # the prompt's scores (app.core.sequence.PromptLogprob), when asked for
 
@@ -89,10 +90,14 @@ class Choice:
             self.prompt_logprobs = event.prompt_logprobs
         is_token = event.token_id != NO_TOKEN  # a deadline's last event carries no token
         self.tokens += is_token
-        reasoning, content = "", event.text
+        text = event.text
+        marker = self.tool_markers.get(event.token_id)
+        if marker is not None and (self.splitter is None or event.token_id not in self.splitter.markers):
+            text = marker + text  # a tool-call marker decoding dropped (app/openai/tools MARKERS)
+        reasoning, content = "", text
         if self.splitter is not None:
             self.reasoning_tokens += is_token and self.splitter.state != "content"
-            reasoning, content = self.splitter.feed(event.text, event.token_id)
+            reasoning, content = self.splitter.feed(text, event.token_id)
             if event.finish_reason is not None:
                 more_reasoning, more_content = self.splitter.flush()
                 reasoning, content = reasoning + more_reasoning, content + more_content

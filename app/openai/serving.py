@@ -1,22 +1,22 @@
-"""Chat and text completions: engine events in, OpenAI-shaped JSON or SSE chunks out.
+"""The engine side of every generating API: a request checked against the served model, its prompt encoded off
+the loop, its grammar compiled, turned into SamplingParams and submitted, its choices collected or their deltas
+merged (app/openai/answer.py turns each token event into what the client sees).
 
-The routes in api.py stay thin; this is where a request is checked against the served model, turned into
-prompt ids and SamplingParams, submitted, and where its events become the exact shapes the openai SDK expects
-(app/openai/answer.py turns each token event into what the client sees).
-A stream that fails after the 200 ends with an SSE error event and `[DONE]`, never a torn connection; a client
-that leaves cancels its generation at once.
+The flow around these steps, and the stream loop, are app/openai/flow.py's, shared by every API; each API's wire
+format is its own (app/openai/completions_wire.py for chat and text completions, app/openai/responses/,
+app/anthropic/). `chat` and `completion` are the routes' entry points for the first two.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
-import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from app.core.engine.engine import Engine
 from app.deadlines import HEADER, request_deadlines
@@ -25,24 +25,22 @@ from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
 from app.models.lora import LoraAdapter, LoraAdapters
 from app.openai.answer import Choice, Delta
-from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.openai.completions_wire import ChatApi, CompletionsApi, error_body  # noqa: F401 (error_body: main.py's)
+from app.openai.flow import create
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.core.structured.grammars import Grammar, Grammars
 from app.core.structured.schema_check import GrammarLimits
 from app.openai.reasoning import reasoning_format
-from app.openai.scoring import Echo, vllm_prompt_logprobs
-from app.openai.stream_parts import merge_events, record_timing, sampling_header, tool_payloads, usage
-from app.openai.sse import event_stream
+from app.openai.scoring import check_prompt_scores
+from app.openai.stream_parts import merge_events, record_timing, sampling_header
 from app.openai.structured import compile_client, request_grammar
-from app.openai.tools import make_parser, tool_format
+from app.openai.tools import make_parser, tool_format, tool_markers
 from app.prepare import Preparing
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.openai.serving")
 DISCONNECT_POLL_S = 0.2
-
-
-def error_body(err: ServeError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
+T = TypeVar("T")
 
 
 class CompletionServing:
@@ -50,7 +48,8 @@ class CompletionServing:
                  grammar_limits: GrammarLimits = GrammarLimits(), sse_send_timeout_s: float | None = None,
                  preparing: Preparing | None = None, grammar_client_header: str | None = None,
                  queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
-                 adapters: LoraAdapters | None = None, reasoning_parser: str = "auto"):
+                 adapters: LoraAdapters | None = None, max_prompt_logprob_entries: int = 1_000_000,
+                 reasoning_parser: str = "auto"):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
@@ -62,14 +61,17 @@ class CompletionServing:
         log.info("reasoning parser: %s (REASONING_PARSER=%s)", self.reasoning.name if self.reasoning else "none",
                  reasoning_parser)
         self.tool_format = tool_format(getattr(lm.tokenizer, "chat_template", None))  # None: cannot show tools
+        self.tool_markers = tool_markers(lm.tokenizer, self.tool_format)
         self.grammars = Grammars(lm.tokenizer, lm.vocab_size, lm.eos_ids, limits=grammar_limits)
         self.grammar_client_header = grammar_client_header  # see compile_client
         self.adapters = adapters  # LoRA adapters a request's `model` may name; None: the base model alone
+        self.max_prompt_logprob_entries = max_prompt_logprob_entries  # app/openai/scoring.py
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
-        prompt_ids = await self.encode_chat(body)
-        return await self._serve(body, request, prompt_ids, chat=True)
+        return await create(ChatApi(self), body, request)
+
+    async def completion(self, body: CompletionRequest, request: Request):
+        return await create(CompletionsApi(self), body, request)
 
     async def encode_chat(self, body: ChatCompletionRequest, continue_final: bool = False) -> list[int]:
         """`continue_final`: the last (assistant) message is the start of the answer, to be continued (Anthropic's
@@ -81,15 +83,6 @@ class CompletionServing:
         kwargs = body.template_kwargs() | ({"continue_final_message": True} if continue_final else {})
         return await self.encode_messages(body.chat_messages(), kwargs, body.template_tools(),
                                           add_generation_prompt=not continue_final)
-
-    async def completion(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
-        prompt = body.prompt_value()
-        prompt_ids = await self.encode_text(prompt) if isinstance(prompt, str) else self.check_prompt_ids(prompt)
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        return await self._serve(body, request, prompt_ids, chat=False,
-                                 echo=Echo.of(body, prompt, prompt_ids, self.lm.tokenizer))
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> list[int]:
         if unknown := sorted({t for t in prompt_ids if t >= self.lm.vocab_size}):
@@ -105,6 +98,11 @@ class CompletionServing:
 
     async def encode_text(self, text: str) -> list[int]:
         return await self.preparing.run(self.lm.encode_text, text)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Work on an answer that is already made (laying out prompt scores, writing their JSON): on a prepare
+        worker, off the loop, but never refused as new requests are (MAX_PREPARING): its generation has run."""
+        return await asyncio.get_running_loop().run_in_executor(self.preparing.executor, functools.partial(fn, *args))
 
     def check_model(self, model: str) -> LoraAdapter | None:
         """The LoRA adapter `model` names, None for the base model; 404 naming it for anything else."""
@@ -132,7 +130,7 @@ class CompletionServing:
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
               grammar: Grammar | None = None) -> tuple[list[Choice], dict]:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
-        Chat completions and the Responses API both come through here."""
+        Every generating API comes through here (app/openai/flow.py)."""
         reasoning = self.reasoning if chat else None
         adapter = self.check_model(body.model)  # again: it may have been unloaded while the prompt was prepared
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
@@ -140,6 +138,11 @@ class CompletionServing:
         tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
         params = [body.to_sampling_params(self.lm.generation_defaults, i, reasoning, grammar, default_max, tenant)
                   for i in range(body.n)]
+        asked = getattr(body, "prompt_logprobs", None)
+        check_prompt_scores(len(prompt_ids), params[0].prompt_logprobs, body.n, self.max_prompt_logprob_entries,
+                            "logprobs" if asked is None else "prompt_logprobs")
+        # the prompt is scored once, by the first choice; the others reuse its scores (app/openai/completions_wire.py)
+        params[1:] = [dataclasses.replace(p, prompt_logprobs=None) for p in params[1:]]
         thinking = body.thinking(reasoning) if reasoning is not None else None
         deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
                                       self.queue_timeout_s, self.request_timeout_s)
@@ -151,6 +154,7 @@ class CompletionServing:
             for choice in choices:
                 choice.parser = make_parser(self.tool_format, body.tool_names(), body.parallel_tool_calls,
                                             body.tool_schemas())
+                choice.tool_markers = self.tool_markers
         request.state.prompt_tokens = len(prompt_ids)
         headers = {"x-sampling-params": sampling_header(params[0])}
         return choices, headers
@@ -167,22 +171,6 @@ class CompletionServing:
             for c in choices:  # all or nothing, as at submit
                 c.handle.cancel(client_left=False)
             raise
-
-    async def _serve(self, body, request: Request, prompt_ids: list[int], chat: bool, echo: Echo | None = None):
-        grammar = await self.grammar(body, request)
-        choices, headers = self.start(body, request, prompt_ids, chat, grammar)
-        kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        response_id = new_id(kind[0], getattr(request.state, "x_request_id", None))
-        request.state.request_id = response_id
-        if body.stream:
-            await self.started(choices)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(response_id, kind[1], chat, choices, len(prompt_ids), include_usage, request,
-                                  echo or Echo())
-            return event_stream(events, headers, self.sse_send_timeout_s)
-        await self.collect(choices, request)
-        return JSONResponse(self._full_response(response_id, kind[1], chat, choices, len(prompt_ids), echo or Echo()),
-                            headers=headers)
 
     def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
                 deadlines: tuple[float | None, float | None] = (None, None),
@@ -250,92 +238,3 @@ class CompletionServing:
             delta = self._add(choice, event)
             if not delta.empty:
                 yield choice, delta
-
-    def _full_response(self, response_id: str, obj: str, chat: bool, choices: list[Choice],
-                       prompt_tokens: int, echo: Echo) -> dict[str, Any]:
-        completion_tokens = 0 if echo.score_only else sum(c.tokens for c in choices)
-        out_choices = []
-        for c in choices:
-            item: dict[str, Any] = {"index": c.index, "finish_reason": echo.finish_reason(c.finish_reason)}
-            if chat:
-                item["message"] = c.message()
-                item["logprobs"] = {"content": c.logprobs} if c.handle.params.logprobs else None
-            else:
-                item["text"], item["logprobs"] = echo.text_and_logprobs(c, "".join(c.text), c.logprobs)
-                if c.handle.params.prompt_logprobs is not None:
-                    item["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, c.prompt_logprobs)
-            if c.handle.params.inspect:
-                item["inspect"] = c.inspect
-            out_choices.append(item)
-        out = {"id": response_id, "object": obj, "created": now(), "model": self.served_name(choices),
-               "system_fingerprint": self.fingerprint, "choices": out_choices,
-               "usage": usage(prompt_tokens, completion_tokens, choices)}
-        if chat and choices[0].handle.params.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top
-            out["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, choices[0].prompt_logprobs)
-        return out
-
-    # ---- streaming ----
-
-    async def _stream(self, response_id: str, obj: str, chat: bool, choices: list[Choice], prompt_tokens: int,
-                      include_usage: bool, request: Request, echo: Echo) -> AsyncIterator[dict[str, str]]:
-        obj = obj + ".chunk" if chat else obj
-        created = now()
-
-        def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> dict[str, str]:
-            body = {"id": response_id, "object": obj, "created": created, "model": self.served_name(choices),
-                    "system_fingerprint": self.fingerprint, "choices": payload_choices, **extra}
-            return {"data": json.dumps(body, ensure_ascii=False)}
-
-        finished = failed = False
-        first = {c.index for c in choices}  # choices whose first delta is still to come (it carries the prompt's)
-        try:
-            if chat:
-                for c in choices:
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-            async for c, delta in self.deltas(choices):
-                logprobs = [delta.logprobs] if delta.logprobs is not None else None
-                if not chat:
-                    text, legacy = echo.text_and_logprobs(c, delta.content, logprobs or [], c.index in first)
-                    payload = {"index": c.index, "text": text, "logprobs": legacy,
-                               "finish_reason": echo.finish_reason(delta.finish_reason)}
-                    if c.index in first and c.handle.params.prompt_logprobs is not None:
-                        payload["prompt_logprobs"] = vllm_prompt_logprobs(self.lm.tokenizer, c.prompt_logprobs)
-                    first.discard(c.index)
-                else:
-                    if c.index in first and c.handle.params.prompt_logprobs is not None:
-                        extra_prompt = {"prompt_logprobs": vllm_prompt_logprobs(self.lm.tokenizer,
-                                                                                c.prompt_logprobs)}
-                        yield chunk([], **extra_prompt)
-                    first.discard(c.index)
-                    if delta.reasoning:  # the thinking goes out first, in a chunk of its own
-                        yield chunk([{"index": c.index, "logprobs": None, "finish_reason": None,
-                                      "delta": {"reasoning_content": delta.reasoning, "reasoning": delta.reasoning}}])
-                        if not (delta.content or logprobs or delta.finish_reason or delta.inspect):
-                            continue
-                    if delta.tool_calls:  # content first, then one chunk per call delta
-                        for payload in tool_payloads(c.index, delta, logprobs):
-                            yield chunk([payload])
-                        continue
-                    payload = {"index": c.index, "delta": {"content": delta.content} if delta.content else {},
-                               "logprobs": {"content": logprobs} if logprobs else None,
-                               "finish_reason": delta.finish_reason}
-                if delta.inspect is not None:
-                    payload["inspect"] = delta.inspect
-                yield chunk([payload])
-            finished = True
-            if include_usage:
-                completion_tokens = 0 if echo.score_only else sum(c.tokens for c in choices)
-                yield chunk([], usage=usage(prompt_tokens, completion_tokens, choices))
-        except ServeError as err:  # after the 200: tell the client in-band, then end the stream properly
-            failed = True
-            log.warning("stream %s failed: %s", response_id, err.message)
-            request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
-            yield {"data": json.dumps(error_body(err))}
-        finally:
-            if not finished:
-                for c in choices:  # after a failure, the siblings are stopped by us, not by the client
-                    c.handle.cancel(client_left=not failed)
-                request.state.cancelled = not failed
-            record_timing(request, choices)
-        yield {"data": "[DONE]"}

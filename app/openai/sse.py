@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator
 
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError
 
 log = logging.getLogger("app.openai.sse")
@@ -33,3 +33,9 @@ def event_stream(events: AsyncIterator[dict[str, Any]], headers: dict[str, str],
                  send_timeout_s: float | None) -> EventStream:
     headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return EventStream(events, ping=SSE_PING_S, headers=headers, send_timeout=send_timeout_s)
+
+
+def encoded_event(data: str) -> bytes:
+    """An SSE `data:` event as the response would write it: for a large event, made off the loop (the response
+    sends bytes as they are, where a dict's text would be split into lines and encoded on the loop)."""
+    return ServerSentEvent(data=data, sep=EventStream.DEFAULT_SEPARATOR).encode()

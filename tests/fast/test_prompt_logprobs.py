@@ -158,3 +158,102 @@ def test_prompts_too_long_to_score_get_a_400(tiny_lm, monkeypatch):
     with pytest.raises(InvalidRequest) as err:
         sequence.check_request(list(range(9)), SamplingParams(prompt_logprobs=1), 400, 256)
     assert err.value.param == "prompt_logprobs" and "8 tokens" in err.value.message
+
+
+def streamed(server, path: str, body: dict) -> list:
+    with httpx.stream("POST", server.url + path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) if line[6:].startswith("{") else line[6:]
+                for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_streamed_echo_text_offsets_run_on_across_chunks_as_in_the_whole_answer(make_tiny_server):
+    # issue 45, finding 9: every chunk after the first restarted text_offset at 0
+    server = make_tiny_server()
+    body = {"model": "tiny", "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}
+    whole = httpx.post(server.url + COMPLETIONS, json=body).json()["choices"][0]["logprobs"]
+    chunks = [c for c in streamed(server, COMPLETIONS, body)[:-1] if c["choices"]]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["text_offset"] and len(chunks) > 2
+
+
+def test_n_choices_share_one_scoring_of_the_prompt_and_keep_their_answers(make_tiny_server, tiny_lm, monkeypatch):
+    # issue 45, finding 2: each of the n choices scored the whole prompt again in the engine
+    from app.core import sequence
+
+    scored_rows = []
+    real = sequence.score_tokens
+    monkeypatch.setattr(sequence, "score_tokens",
+                        lambda logits, *a: scored_rows.append(len(logits)) or real(logits, *a))
+    server = make_tiny_server()
+    ids = encode(tiny_lm, PROMPT)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
+    r = httpx.post(server.url + COMPLETIONS, json=body | {"echo": True, "logprobs": 2, "prompt_logprobs": 2}).json()
+    assert sum(scored_rows) == len(ids) - 1  # once, whatever n
+    plain = httpx.post(server.url + COMPLETIONS, json=body).json()
+    for scored, alone in zip(r["choices"], plain["choices"]):
+        assert scored["text"] == PROMPT + alone["text"]  # each choice's answer as without scoring
+        assert scored["prompt_logprobs"] == r["choices"][0]["prompt_logprobs"]
+        first = r["choices"][0]["logprobs"]
+        assert scored["logprobs"]["token_logprobs"][:len(ids)] == first["token_logprobs"][:len(ids)]
+    assert torch.allclose(torch.tensor(r["choices"][2]["logprobs"]["token_logprobs"][1:len(ids)]),
+                          reference_logprobs(tiny_lm, ids), atol=1e-4)
+    chunks = [c for c in streamed(server, COMPLETIONS, body | {"echo": True, "logprobs": 2, "prompt_logprobs": 2})
+              if isinstance(c, dict)]
+    firsts = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            firsts.setdefault(ch["index"], ch)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(f["prompt_logprobs"] == r["choices"][0]["prompt_logprobs"] and f["text"].startswith(PROMPT)
+               for f in firsts.values())
+
+
+def test_prompt_logprob_entries_past_their_bound_get_a_400_naming_the_setting(make_tiny_server, tiny_lm):
+    ids = encode(tiny_lm, PROMPT)
+    server = make_tiny_server(max_prompt_logprob_entries=len(ids) * 3 * 2 - 1)  # tokens x (top 2 + own) x n 2
+    body = {"model": "tiny", "prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 1, "n": 2}
+    r = httpx.post(server.url + COMPLETIONS, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "logprobs" and "MAX_PROMPT_LOGPROB_ENTRIES" in error["message"]
+    assert httpx.post(server.url + COMPLETIONS, json=body | {"n": 1}).status_code == 200
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": PROMPT * 2}], "prompt_logprobs": 20, "max_tokens": 1})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.fixture
+def slow_steps(monkeypatch):
+    import time
+
+    import app.core.engine.step as step_module
+
+    real = step_module.run_pass
+    monkeypatch.setattr(step_module, "run_pass", lambda *a, **k: (time.sleep(0.05), real(*a, **k))[1])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_deadline_during_a_scored_prefill_gives_an_empty_answer_not_a_wrong_score(make_tiny_server, slow_steps,
+                                                                                     stream):
+    # issue 45, finding 9: the whole prompt came back as `text` with one logprob entry and prompt_logprobs [null]
+    server = make_tiny_server(prefill_tokens_per_step=16)  # ~9 passes of 50 ms before the prompt is scored
+    body = {"model": "tiny", "prompt": PROMPT * 5, "echo": True, "logprobs": 1, "prompt_logprobs": 1, "max_tokens": 0}
+    headers = {"x-request-timeout": "0.2"}
+    if stream:
+        with httpx.stream("POST", server.url + COMPLETIONS, json=body | {"stream": True}, headers=headers) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        choices = [c for line in lines[:-1] for c in json.loads(line)["choices"]]
+        assert "".join(c["text"] for c in choices) == ""
+        choice = choices[-1]
+    else:
+        r = httpx.post(server.url + COMPLETIONS, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
+    # as any answer cut before its first token: nothing made, and no score that looks like one
+    assert choice["finish_reason"] == "timeout"
+    assert choice["logprobs"] is None and choice["prompt_logprobs"] is None

@@ -76,7 +76,7 @@ def test_the_requests_log_lines_carry_its_id_one_json_object_each(server, caplog
         httpx.post(server.url + CHAT, json=chat_body(stream=True), headers={"x-request-id": "find-me-9"})
         # an access line is written once its response is out, and the engine thread logs its error on its own
         # time: wait for all of them (on a busy machine, seconds)
-        wanted = {"app.core.engine.engine", "app.openai.serving", "app.access"}
+        wanted = {"app.core.engine.engine", "app.openai.flow", "app.access"}
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (
                 len([r for r in caplog.records if r.name == "app.access"]) < 3
@@ -93,4 +93,4 @@ def test_the_requests_log_lines_carry_its_id_one_json_object_each(server, caplog
     assert missing["status"] == 404 and "model" not in missing
     failed = [r for r in records if r.get("request_id") == "find-me-9"]
     # the engine thread's error, the serving layer's warning and the access line
-    assert {r["logger"] for r in failed} >= {"app.core.engine.engine", "app.openai.serving", "app.access"}, failed
+    assert {r["logger"] for r in failed} >= {"app.core.engine.engine", "app.openai.flow", "app.access"}, failed

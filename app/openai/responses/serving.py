@@ -1,8 +1,8 @@
 """The Responses API (`POST /v1/responses`), stateless: the chat completions path underneath, another wire shape on top.
 
-The request becomes the chat request it means (protocol.py) and goes through the same template, sampling
-parameters, engine, reasoning split and tool-call parsers (`CompletionServing.start` and `.deltas`). What differs
-is how the answer is written:
+The request becomes the chat request it means (protocol.py) and goes through the shared flow (app/openai/flow.py):
+the same template, sampling parameters, engine, reasoning split and tool-call parsers, and the same stream loop.
+What differs is how the answer is written (`ResponsesApi`):
 - the answer is a list of output items: `reasoning` (a reasoning model's thinking), `message` (its `output_text`),
   and one `function_call` (`call_id`, `name`, `arguments`) per tool call;
 - `status` is "completed", or "incomplete" with `incomplete_details.reason: "max_output_tokens"`;
@@ -11,13 +11,13 @@ is how the answer is written:
   `response.in_progress`, then for each item `response.output_item.added`, its parts and deltas
   (`response.content_part.added`, `response.output_text.delta` / `.done`, `response.reasoning_text.delta` /
   `.done`, `response.function_call_arguments.delta` / `.done`), `response.output_item.done`, and at the end
-  `response.completed` (or `response.incomplete`). A failure after the 200 sends an `error` event, then `[DONE]`.
+  `response.completed` (or `response.incomplete`), and no `[DONE]`. A failure after the 200 sends an `error`
+  event, then `[DONE]` (OpenAI's own stream ends so after an error).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import Any, AsyncIterator
 
@@ -25,69 +25,51 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from app.errors import InvalidRequest, ServeError
+from app.openai.answer import Choice, Delta, choice_calls
+from app.openai.flow import FAILED, Prepared, WireApi, create
 from app.openai.protocol import ChatCompletionRequest, now
 from app.openai.responses.protocol import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from app.openai.answer import Choice, Delta, choice_calls
 from app.openai.serving import CompletionServing
-from app.openai.stream_parts import record_timing
-from app.openai.sse import event_stream
-
-log = logging.getLogger("app.openai.responses.serving")
 
 
 class ResponsesServing:
+    """The route's entry point (app/api.py)."""
+
     def __init__(self, serving: CompletionServing):
         self.serving = serving
 
     async def create(self, body: ResponsesRequest, request: Request):
-        self.serving.check_model(body.model)
+        return await create(ResponsesApi(self.serving), body, request)
+
+
+class ResponsesApi(WireApi):
+    done_after = frozenset({FAILED})  # a finished stream ends with response.completed (or .incomplete) alone
+    param_names = CHAT_TO_RESPONSES_PARAM
+
+    async def prepare(self, body: ResponsesRequest) -> Prepared:
         chat = await self.serving.preparing.run(body.to_chat_request)  # validates the chat request: not on the loop
         check_echo(body)  # before anything runs: afterwards, the answer would have nowhere to go
-        try:
-            prompt_ids = await self.serving.encode_chat(chat)
-            grammar = await self.serving.grammar(chat, request)  # text.format json_schema, a forced tool_choice
-            choices, headers = self.serving.start(chat, request, prompt_ids, chat=True, grammar=grammar)
-        except InvalidRequest as err:  # the chat path names its own fields: name the ones this client sent
-            err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
-            raise
-        answer = Answer(body, chat, self.serving.served_name(choices), len(prompt_ids))
+        return Prepared(chat, await self.serving.encode_chat(chat))
+
+    def answer(self, body: ResponsesRequest, prepared: Prepared, choices: list[Choice], request: Request) -> Answer:
+        answer = Answer(body, prepared.request, self.serving.served_name(choices), len(prepared.prompt_ids))
         if rid := getattr(request.state, "x_request_id", None):
             answer.id = f"resp_{rid}"  # the request's x-request-id, as on the other routes
-        request.state.request_id = answer.id
-        if body.stream:
-            await self.serving.started(choices)
-            return event_stream(self._stream(answer, choices, request), headers, self.serving.sse_send_timeout_s)
-        try:
-            await self.serving.collect(choices, request)
-        except InvalidRequest as err:  # a grammar's dead end, say: named as this client sent it
-            err.param = CHAT_TO_RESPONSES_PARAM.get(err.param, err.param)
-            raise
+        return answer
+
+    async def events(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
+        for event in answer.start_events():
+            yield event
+        async for _, delta in self.serving.deltas(choices):
+            for event in answer.delta_events(delta, choices[0]):
+                yield event
+
+    def error_event(self, answer: Answer, err: ServeError) -> dict[str, str]:  # OpenAI's shape for a stream
+        return answer.event("error", code=err.code or err.error_type, message=err.message, param=err.param)
+
+    async def whole(self, answer: Answer, choices: list[Choice], headers: dict[str, str]) -> JSONResponse:
         answer.add_whole(choices[0])
         return JSONResponse(answer.response("done"), headers=headers)
-
-    async def _stream(self, answer: Answer, choices: list[Choice], request: Request) -> AsyncIterator[dict]:
-        finished = failed = False
-        try:
-            for event in answer.start_events():
-                yield event
-            async for _, delta in self.serving.deltas(choices):
-                for event in answer.delta_events(delta, choices[0]):
-                    yield event
-            finished = True
-        except ServeError as err:  # after the 200: an error event in OpenAI's shape, then the end of the stream
-            failed = True
-            log.warning("response %s failed: %s", answer.id, err.message)
-            request.state.failed_status = err.status  # counted and logged as the error it is, not as a 200
-            yield answer.event("error", code=err.code or err.error_type, message=err.message,
-                               param=CHAT_TO_RESPONSES_PARAM.get(err.param, err.param))
-        finally:
-            if not finished:
-                for c in choices:  # after a failure, stopped by us, not by the client
-                    c.handle.cancel(client_left=not failed)
-                request.state.cancelled = not failed
-            record_timing(request, choices)
-        if not finished:
-            yield {"data": "[DONE]"}
 
 
 class Answer:

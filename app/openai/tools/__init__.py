@@ -120,6 +120,31 @@ def choose_tool_format(tokenizer, setting: str = "auto") -> tuple[str | None, st
     return fmt, ("the chat template cannot show tools" if fmt is None else "auto, from the chat template")
 
 
+# The markers each format's parser reads. Where a tokenizer marks one special (Mistral's `[TOOL_CALLS]`, gpt-oss's
+# `<|channel|>`, Granite's `<|tool_call|>`), decoding drops it (app/core/detokenize.py skips special tokens), so the
+# choice puts its text back from the token id before the parser sees it (app/openai/answer.py), as the reasoning
+# splitters do their own markers; a marker that is an ordinary token is in the text already.
+MARKERS: dict[str, tuple[str, ...]] = {
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "granite": ("<|tool_call|>",),
+    "phi4_mini": ("<|tool_call|>", "<|/tool_call|>"),
+    "harmony": ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|end|>"),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>"),
+    "llama3_json": ("<|python_tag|>",),
+    "pythonic": ("<|python_start|>", "<|python_end|>"),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+}
+
+
+def tool_markers(tokenizer, fmt: str | None) -> dict[int, str]:
+    """Special token id -> marker text, for the format's markers that decoding drops."""
+    from app.openai.reasoning.base import special_markers
+
+    return special_markers(tokenizer, MARKERS.get(fmt, ())) if fmt else {}
+
+
 def tool_schemas(tools) -> dict[str, Any]:
     """Tool name -> its `parameters` schema, from wire tools (pydantic) or their dicts."""
     out: dict[str, Any] = {}
