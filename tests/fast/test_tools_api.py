@@ -369,3 +369,33 @@ def test_the_start_log_names_the_chosen_parser_and_a_setting_forces_another(capl
     assert "tool calls: mistral (TOOL_CALL_PARSER=mistral)" in caplog.text
     assert forced["finish_reason"] == "tool_calls" and forced["message"]["content"] is None
     assert json.loads(forced["message"]["tool_calls"][0]["function"]["arguments"]) == CALLED[1]
+
+
+@pytest.mark.full
+def test_markers_a_tokenizer_marks_special_still_reach_the_parser():
+    """Mistral's tokenizers mark `[TOOL_CALLS]` and `[ARGS]` special, and decoding skips special tokens: the choice
+    puts them back from their token ids, so `[TOOL_CALLS]name[ARGS]{...}` is still a call, and no marker is content."""
+    import openai
+    from tokenizers import AddedToken
+
+    from app.config import Settings
+    from app.main import create_app
+    from test_reasoning import scripted_lm
+
+    arguments = '{"city": "Paris"}'
+    answer = ["[TOOL_CALLS]", "get_weather", "[ARGS]", arguments]
+    tokenizer = family_tokenizer("mistral", ["get_weather", arguments])
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("[TOOL_CALLS]", "[ARGS]")],
+                         special_tokens=True)
+    assert tokenizer.decode(tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]"]), skip_special_tokens=True) == ""
+    lm = scripted_lm(tokenizer, [FAMILY_TEMPLATES["mistral"][1], *answer, "<|im_end|>"])
+    with ThreadServer(create_app(Settings(model="qwen3-tiny", tool_call_parser="mistral"), lm=lm)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        ask = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [WEATHER], "temperature": 0, "max_tokens": 8}
+        choice = client.chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        plain = client.chat.completions.create(**{**ask, "tools": None}).choices[0]  # no tools: markers stay hidden
+        assert "[TOOL_CALLS]" not in plain.message.content and "get_weather" in plain.message.content
