@@ -18,6 +18,12 @@ call over their keys left-padded to one width, with the padding masked out (meas
 against 77 ms with one SDPA call per request); each prefill chunk gets its own call, unpadded. On a CPU in
 bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
+
+Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) caches a compressed latent and one shared rotary key per
+token, and the model expands them into keys and values of different sizes after the cache returns them; it cannot
+expand a `PerRequest`. For such a model `PackedCaches.update` returns every request's latents joined into one row
+instead, and the pass hands attention the step under `PACKED_STEP`, so that `packed_attention` cuts the expanded keys
+and values back into requests at the lengths the update recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED = "simple_serve_packed"
+PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's attention gets the PackedCaches
+
+
+def latent_kv(config) -> tuple[int, int] | None:
+    """MLA's cached sizes per token and layer, (latent, rotary key), as one 'key head' and one 'value head' of those
+    sizes; None for a model that caches keys and values per KV head."""
+    text = config.get_text_config(decoder=True)
+    rank = getattr(text, "kv_lora_rank", None)
+    return (rank, text.qk_rope_head_dim) if rank else None
 
 
 @dataclass
@@ -55,8 +70,10 @@ class PackedCaches:
     is_compileable = False
 
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
-                 windows: Sequence[int | None] | None = None):
+                 windows: Sequence[int | None] | None = None, latent: bool = False):
         self.caches = list(caches)
+        self.latent = latent  # MLA: `update` joins the requests' latents; `lengths` says where to cut them again
+        self.lengths: dict[int, list[int]] = {}
         self.spans = spans
         self.windows = list(windows) if windows is not None else None
         self.decoding = [i for i, (start, end) in enumerate(spans) if end - start == 1]
@@ -71,8 +88,19 @@ class PackedCaches:
             k, v = cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
             keys.append(k)
             values.append(v)
+        if self.latent:  # [1, 1, sum of cached lengths, latent or rotary size]: the model expands them itself
+            self.lengths[layer_idx] = [k.shape[-2] for k in keys]
+            return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
         window = self.windows[layer_idx] if self.windows is not None else None
         return PerRequest(keys, self, window), PerRequest(values, self, window)
+
+    def split(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[PerRequest, PerRequest]:
+        """An MLA layer's expanded keys and values, [1, heads, sum of cached lengths, d_k or d_v], cut back into
+        requests."""
+        lengths = self.lengths[layer_idx]
+        window = self.windows[layer_idx] if self.windows is not None else None
+        return (PerRequest(list(key.split(lengths, dim=-2)), self, window),
+                PerRequest(list(value.split(lengths, dim=-2)), self, window))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
@@ -110,11 +138,14 @@ class PackedCaches:
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query: [1, heads, T_total, head_dim]. Each request attends only to its own keys."""
+    if (step := kwargs.pop(PACKED_STEP, None)) is not None and not isinstance(key, PerRequest):
+        key, value = step.split(key, value, module.layer_idx)  # MLA: expanded from the joined latents
     if not isinstance(key, PerRequest):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     step, window = key.step, key.window
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T_total, heads, head_dim]
+    # [1, T_total, heads, value head_dim]: MLA's values are not the size of its keys and queries
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     if step.decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
         # On a CPU in bf16/fp16, two fp32 matmuls beat SDPA by far (`grouped_decode_attention`); the padded copy
@@ -156,17 +187,17 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     batch, kv_heads, _, dim = k.shape
     grouped = q.reshape(batch, kv_heads, -1, dim).float()  # [B, kv_heads, groups, d]: heads h*g..h*g+g-1 share h
     scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling).add_(mask)  # [B, kv_heads, groups, width]
-    return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, dim)
+    return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, v.shape[-1])  # d_v: MLA's differs from d
 
 
 def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, kv_heads, len_i, d] each -> [B, kv_heads, width, d] each in `dtype`, zeros on the left (see
-    `decode_mask`)."""
+    """[1, kv_heads, len_i, d_k or d_v] each -> [B, kv_heads, width, d_k or d_v] each in `dtype`, zeros on the
+    left (see `decode_mask`)."""
     width = max(k.shape[-2] for k in keys)
     _, heads, _, dim = keys[0].shape
     k_out = keys[0].new_zeros(len(keys), heads, width, dim, dtype=dtype)
-    v_out = values[0].new_zeros(len(keys), heads, width, dim, dtype=dtype)
+    v_out = values[0].new_zeros(len(keys), heads, width, values[0].shape[-1], dtype=dtype)
     for i, (k, v) in enumerate(zip(keys, values)):
         pad = width - k.shape[-2]
         k_out[i, :, pad:], v_out[i, :, pad:] = k[0], v[0]

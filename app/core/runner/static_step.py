@@ -255,12 +255,14 @@ def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decod
                       block_size: int = 16, compile: bool = True) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
-    from app.core.runner.packed import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
+    from app.core.runner.packed import PACKED, attention_windows, latent_kv  # the packed pass's reading of layers
 
     windows = attention_windows(lm.model) if batch_decode else None
     why_not = ("tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
                if lm.ranks is not None else
                "this model's attention is not packed" if not batch_decode else
+               "MLA caches latent keys that the model expands after reading them; the pooled step's attention "
+               "reads keys and values in the pool" if latent_kv(lm.model.config) is not None else
                "some layers use sliding or other attention; the pooled step does full attention only"
                if windows is None or any(w is not None for w in windows) else
                "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
