@@ -65,3 +65,30 @@ def build(family: str, vocab_size: int, seed: int = 0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)
     return model
+
+
+def _refused_configs() -> dict:
+    import transformers as tf
+
+    attention = COMMON
+    return {
+        "falcon_h1": lambda: tf.FalconH1Config(**attention, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                               mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**attention, layer_types=["linear_attention", "full_attention"],
+                                                 linear_num_value_heads=2, linear_num_key_heads=2,
+                                                 linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=32),
+        "mamba": lambda: tf.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=8),
+        "llama4_text": lambda: tf.Llama4TextConfig(**attention, attention_chunk_size=WINDOW, num_local_experts=2,
+                                                   intermediate_size_mlp=128),
+    }
+
+
+REFUSED = ("falcon_h1", "qwen3_next", "mamba", "llama4_text")  # hybrids, pure Mamba, chunked attention
+
+
+def refused_config(family: str, vocab_size: int):
+    config = _refused_configs()[family]()
+    config.vocab_size = vocab_size
+    return config

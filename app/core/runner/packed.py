@@ -10,8 +10,9 @@ Two pieces make the HF model accept such a row without touching its code:
 - `packed_attention` is registered as an attention implementation. For a packed call it attends each request's
   queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
   is why batched greedy output equals solo output), sliding windows included (each layer's window is read from
-  the config as transformers reads it). For any other call it simply is HF's SDPA. Models with attention these
-  masks cannot express (chunked attention, say) are not packed: the engine runs them one request per pass.
+  the config as transformers reads it). For any other call it simply is HF's SDPA. A model on another attention
+  kernel (eager: Gemma 2's soft-capping, gpt-oss's sinks) is not packed: the engine runs it one request per pass.
+  Chunked attention and recurrent layers are refused at start (app/models/architectures.py).
 
 The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
 call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
