@@ -37,9 +37,9 @@ def _configs() -> dict:
                                             **COMMON),
         "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                             **COMMON),
-        "deepseek_v3": lambda: tf.DeepseekV3Config(  # MLA: latent KV of 32 + a shared rotary key of 8
-            **(COMMON | dict(num_key_value_heads=4, head_dim=8)), q_lora_rank=32, kv_lora_rank=32,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        "deepseek_v3": lambda: tf.DeepseekV3Config(  # MLA: latent KV of 32 + a shared rotary key of 16
+            **(COMMON | dict(num_key_value_heads=4, head_dim=16)), q_lora_rank=32, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
             n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1),
         "gpt_oss": lambda: tf.GptOssConfig(sliding_window=WINDOW, layer_types=ALTERNATING, num_local_experts=4,
                                            num_experts_per_tok=2, **COMMON),  # attention sinks, MoE

@@ -59,13 +59,13 @@ def test_a_warm_prefix_cache_is_hit_and_gives_generates_tokens(mla):
 
 
 def test_the_kv_budget_counts_the_latent_not_per_head_keys(mla):
-    """kv_lora_rank 32 + rotary 8 per token and layer in fp32, where per-head keys and values would be
-    2 x 4 heads x 8."""
+    """kv_lora_rank 32 + rotary 16 per token and layer in fp32, where per-head keys and values would be
+    2 x 4 heads x 16 (the rotary head_dim the config gives)."""
     lm, *_ = mla
-    assert KVLayout.from_config(lm.model.config, torch.float32).bytes_per_token == 2 * (32 + 8) * 4
-    assert kv_shape(lm.model.config) == (2, 1, 32, 8)
+    assert KVLayout.from_config(lm.model.config, torch.float32).bytes_per_token == 2 * (32 + 16) * 4
+    assert kv_shape(lm.model.config) == (2, 1, 32, 16)
     pool = KVPool(lm.model.config, num_blocks=2, block_size=4, dtype=torch.float32, device="cpu")
-    assert pool.keys[0].shape == (3, 1, 4, 32) and pool.values[0].shape == (3, 1, 4, 8)
+    assert pool.keys[0].shape == (3, 1, 4, 32) and pool.values[0].shape == (3, 1, 4, 16)
     assert pool.nbytes == 3 * KVPool.bytes_per_block(lm.model.config, 4, torch.float32)
 
 

@@ -251,23 +251,32 @@ class StaticDecodeStep:
             self.table[rows:bucket] = self.pool.pad_block
 
 
+def pooled_step_problem(lm, batch_decode: bool) -> str | None:
+    """Why DECODE_STEP=compiled does not apply to this model (a sentence for the start log), or None."""
+    from app.core.runner.packed import attention_windows, latent_kv  # the packed pass's reading of the layers
+
+    windows = attention_windows(lm.model) if batch_decode else None
+    if lm.ranks is not None:
+        return "tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
+    if not batch_decode:
+        return "this model's attention is not packed"
+    if latent_kv(lm.model.config) is not None:
+        return ("MLA caches latent keys that the model expands after reading them; the pooled step's attention "
+                "reads keys and values in the pool")
+    if windows is None or any(w is not None for w in windows):
+        return "some layers use sliding or other attention; the pooled step does full attention only"
+    if any(isinstance(m, PackedLinear) for m in lm.model.modules()):
+        return "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
+    return None
+
+
 def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool,
                       block_size: int = 16, compile: bool = True) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
-    from app.core.runner.packed import PACKED, attention_windows, latent_kv  # the packed pass's reading of layers
+    from app.core.runner.packed import PACKED
 
-    windows = attention_windows(lm.model) if batch_decode else None
-    why_not = ("tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
-               if lm.ranks is not None else
-               "this model's attention is not packed" if not batch_decode else
-               "MLA caches latent keys that the model expands after reading them; the pooled step's attention "
-               "reads keys and values in the pool" if latent_kv(lm.model.config) is not None else
-               "some layers use sliding or other attention; the pooled step does full attention only"
-               if windows is None or any(w is not None for w in windows) else
-               "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
-               if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else None)
-    if why_not:
+    if why_not := pooled_step_problem(lm, batch_decode):
         log.info("DECODE_STEP=compiled does not apply, decode steps stay eager: %s", why_not)
         return None
     per_block = KVPool.bytes_per_block(lm.model.config, block_size, lm.dtype)
