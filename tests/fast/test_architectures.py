@@ -58,3 +58,15 @@ def test_why_chunked_attention_is_refused_our_solo_pass_differs_from_generate(ti
     ours = [e.token_id for e in generate(model, tiny_tokenizer, prompt, params, (), 256)]
     theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert ours != theirs[0, len(prompt):].tolist()
+
+
+def test_the_models_table_knows_every_family_the_matrix_runs_with_an_agreed_parser_name():
+    """docs/models.md's rows come from benchmarks/models_table.py's FAMILIES, one per matrix family; its parser names
+    are the ones TOOL_CALL_PARSER and REASONING_PARSER take."""
+    from arch_models import FAMILIES
+    from benchmarks.models_table import FAMILIES as TABLE
+
+    assert list(TABLE) == list(FAMILIES)
+    assert {f.tools for f in TABLE.values()} <= {"hermes", "llama3_json", "pythonic", "mistral", "deepseek_v3",
+                                                 "granite", "phi4_mini", "qwen3_coder", "harmony", "none"}
+    assert {f.reasoning for f in TABLE.values()} <= {"deepseek_r1", "qwen3", "harmony", "magistral", "granite", "none"}

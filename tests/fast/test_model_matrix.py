@@ -14,12 +14,13 @@ the model's attention is not packed), `chunked` (prompts prefilled 5 tokens a st
 (n-gram drafts: some must be verified), `compiled` (DECODE_STEP=compiled's pooled decode step, here without
 inductor so the matrix stays fast; tests/compile/test_model_matrix_compiled.py compiles it for two families), and
 `int8` / `int4` (QUANT: not exact by design, so only whether four batched requests are served every token, no
-error; `serves` in the table).
+error: `serves` in the table, and whether MoE experts stayed unquantized).
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import json
 import os
@@ -111,7 +112,10 @@ def matrix_row(family: str, tokenizer, monkeypatch) -> dict[str, str]:
         quantize_linears(quantized, mode)
         seen, _ = run_engine(LoadedModel(model=quantized, tokenizer=tokenizer, name=family, max_context=256,
                                          eos_ids=()), requests, together=True)
-        row[mode] = "serves" if all(len(s.tokens) == N and s.finish_reason == "length" for s in seen) else "fails"
+        served = all(len(s.tokens) == N and s.finish_reason == "length" for s in seen)
+        # MoE experts are fused 3D parameters, not the nn.Linear layers QUANT replaces: they keep the load dtype
+        experts = any(p.ndim == 3 and p.is_floating_point() for p in quantized.parameters())
+        row[mode] = ("serves" + (", experts not quantized" if experts else "")) if served else "fails"
     return row
 
 
@@ -121,13 +125,23 @@ def test_every_path_gives_generates_tokens_or_is_off_with_a_reason(family, tiny_
     assert list(row) == list(PATHS)
     assert not [path for path, cell in row.items() if "DIFFERS" in cell or cell == "fails"], row
     if os.environ.get("RECORD_MODEL_MATRIX"):
-        recorded = json.loads(RECORDED.read_text()) if RECORDED.exists() else {}
-        recorded[family] = row
-        RECORDED.write_text(json.dumps({f: recorded[f] for f in FAMILIES if f in recorded}, indent=1,
-                                       ensure_ascii=False) + "\n")
-    assert json.loads(RECORDED.read_text()).get(family) == row, (
+        record_row(family, row)
+    assert json.loads(RECORDED.read_text())["families"].get(family) == row, (
         f"{family}: the matrix changed; record it (RECORD_MODEL_MATRIX=1) and run `make docs-figures`")
 
 
+def record_row(family: str, row: dict[str, str]) -> None:
+    """Into docs/results/model-matrix.json, in the results' envelope (where, when, on which versions)."""
+    from benchmarks import record
+
+    recorded = json.loads(RECORDED.read_text()) if RECORDED.exists() else {"families": {}}
+    families = recorded["families"] | {family: row}
+    RECORDED.write_text(json.dumps({
+        "schema": record.SCHEMA, "bench": "models", "source": "RECORD_MODEL_MATRIX=1 pytest tests/fast/test_model_matrix.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": record.machine(), "versions": record.versions(), "settings": {"dtype": "float32", "max_tokens": N},
+        "families": {f: families[f] for f in FAMILIES if f in families}}, indent=1, ensure_ascii=False) + "\n")
+
+
 def test_the_record_holds_every_family_and_no_other():
-    assert list(json.loads(RECORDED.read_text())) == list(FAMILIES)
+    assert list(json.loads(RECORDED.read_text())["families"]) == list(FAMILIES)
