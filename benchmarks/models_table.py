@@ -60,7 +60,7 @@ FAMILIES = {
 }
 
 BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int4": 0.5}
-COLUMNS = ("solo", "batched", "prefix_cache", "speculation", "compiled", "int8", "int4")
+COLUMNS = ("solo", "batched", "prefix_cache", "speculation", "compiled", "int8", "int4", "lora")
 
 
 def memory(family: Family, quantized_experts: bool) -> str:
@@ -83,7 +83,7 @@ def models_table(runs: list[tuple[str, dict]]) -> str:
         family = FAMILIES[model_type]
         quantized_experts = "experts not quantized" not in row["int8"]
         cells = [row[column].replace(", experts not quantized", " (experts not)") for column in COLUMNS]
-        rows.append(f"| {family.name} (`{model_type}`) | " + " | ".join(cells) + " | not tested | "
+        rows.append(f"| {family.name} (`{model_type}`) | " + " | ".join(cells) + " | "
                     f"`{family.tools}` | `{family.reasoning}` | {memory(family, quantized_experts)} |")
     rows.append("")
     rows.append(f"<sub>Paths as [`{name}`](results/{name}) records them: tests/fast/test_model_matrix.py, tiny random "

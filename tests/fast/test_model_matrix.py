@@ -14,7 +14,8 @@ the model's attention is not packed), `chunked` (prompts prefilled 5 tokens a st
 (n-gram drafts: some must be verified), `compiled` (DECODE_STEP=compiled's pooled decode step, here without
 inductor so the matrix stays fast; tests/compile/test_model_matrix_compiled.py compiles it for two families), and
 `int8` / `int4` (QUANT: not exact by design, so only whether four batched requests are served every token, no
-error: `serves` in the table, and whether MoE experts stayed unquantized).
+error: `serves` in the table, and whether MoE experts stayed unquantized), and `lora` (a random peft adapter on
+every `o_proj`, four requests under it beside one on the base, against peft's merged model's `generate()`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from arch_models import FAMILIES, build
 from engine_runs import run_engine
 
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "model-matrix.json"
-PATHS = ("solo", "batched", "chunked", "prefix_cache", "speculation", "compiled", "int8", "int4")
+PATHS = ("solo", "batched", "chunked", "prefix_cache", "speculation", "compiled", "int8", "int4", "lora")
 TEXTS = ("The capital of France is Paris. Paris is a city on the Seine.", "def reverse(s):\n    return s[::-1]",
          "北京是中国的首都。上海是一个大城市。", "Emoji are fun: 😀 🎉 🚀 and so is café")
 N = 12
@@ -61,7 +62,7 @@ def off(reason: str) -> str:
     return f"off: {reason}"
 
 
-def matrix_row(family: str, tokenizer, monkeypatch) -> dict[str, str]:
+def matrix_row(family: str, tokenizer, monkeypatch, tmp_path) -> dict[str, str]:
     model = build(family, len(tokenizer))
     prompts = [tokenizer.encode(text) for text in TEXTS]
     expected = [model.generate(torch.tensor([p]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0, len(p):]
@@ -116,12 +117,42 @@ def matrix_row(family: str, tokenizer, monkeypatch) -> dict[str, str]:
         # MoE experts are fused 3D parameters, not the nn.Linear layers QUANT replaces: they keep the load dtype
         experts = any(p.ndim == 3 and p.is_floating_point() for p in quantized.parameters())
         row[mode] = ("serves" + (", experts not quantized" if experts else "")) if served else "fails"
+    row["lora"] = lora_cell(family, tokenizer, prompts, tmp_path)
     return row
 
 
+def lora_cell(family: str, tokenizer, prompts: list[list[int]], tmp_path) -> str:
+    """A random peft adapter on every attention output projection (`o_proj`, which every family has), served to
+    all four requests at once beside one on the base model: its tokens against peft's merged model's generate()."""
+    from peft import LoraConfig, get_peft_model
+
+    from app.models.lora import LoraAdapters
+    from test_lora import serve
+
+    torch.manual_seed(1)
+    peft_model = get_peft_model(build(family, len(tokenizer)), LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"],
+                                                                          init_lora_weights=False))
+    with torch.no_grad():  # peft's non-zero init is small next to the tiny model's weights: make it matter
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = peft_model.merge_and_unload().eval()
+    expected = [merged.generate(torch.tensor([p]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    base = build(family, len(tokenizer))  # a fresh copy: serving wraps its linears
+    base_expected = base.generate(torch.tensor([prompts[0]]), max_new_tokens=N, min_new_tokens=N,
+                                  do_sample=False)[0, len(prompts[0]):].tolist()
+    lm = LoadedModel(model=base, tokenizer=tokenizer, name=family, max_context=256, eos_ids=())
+    tokens, _, _ = serve(lm, LoraAdapters(family, {"adapter": str(tmp_path / "adapter")}),
+                         [(p, "adapter") for p in prompts] + [(prompts[0], None)], n=N)
+    assert expected[0] != base_expected, "the adapter must change the answer, or the check proves nothing"
+    return "exact" if tokens == expected + [base_expected] else "DIFFERS from generate()"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_path_gives_generates_tokens_or_is_off_with_a_reason(family, tiny_tokenizer, monkeypatch):
-    row = matrix_row(family, tiny_tokenizer, monkeypatch)
+def test_every_path_gives_generates_tokens_or_is_off_with_a_reason(family, tiny_tokenizer, monkeypatch, tmp_path):
+    row = matrix_row(family, tiny_tokenizer, monkeypatch, tmp_path)
     assert list(row) == list(PATHS)
     assert not [path for path, cell in row.items() if "DIFFERS" in cell or cell == "fails"], row
     if os.environ.get("RECORD_MODEL_MATRIX"):
