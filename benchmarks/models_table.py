@@ -37,8 +37,8 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3-MoE", "Qwen/Qwen3-30B-A3B", 30.5, "hermes", "qwen3",
                         "QUANT leaves the experts (most of the weights) unquantized. Qwen3-Coder writes XML calls (`TOOL_CALL_PARSER=qwen3_coder`)."),
     "gemma2": Family("Gemma 2", "google/gemma-2-9b-it", 9.24, "none", "none",
-                     "One request per pass: its attention soft-capping runs on transformers' eager kernel, which "
-                     "the packed pass does not replace."),
+                     "Its attention soft-capping runs on its own eager attention function, per request in a "
+                     "packed pass (no compiled step); sliding-window layers."),
     "gemma3_text": Family("Gemma 3 (text)", "google/gemma-3-1b-it", 1.0, "pythonic", "none",
                           "Sliding-window layers. The 4B and larger checkpoints are image-text models: not tested."),
     "phi3": Family("Phi-3 / Phi-4-mini", "microsoft/Phi-4-mini-instruct", 3.84, "phi4_mini", "none",
@@ -55,7 +55,8 @@ FAMILIES = {
                           "The cache holds MLA's latent (576 values a token and layer), not per-head keys. R1's thinking is "
                           "the `deepseek_r1` parser."),
     "gpt_oss": Family("gpt-oss", "openai/gpt-oss-20b", 20.9, "harmony", "harmony",
-                      "One request per pass: its attention sinks run on transformers' eager kernel. The published weights are MXFP4, which "
+                      "Its attention sinks run on its own eager attention function, per request in a packed pass "
+                      "(no compiled step); sliding-window layers. The published weights are MXFP4, which "
                       "transformers dequantizes where its MXFP4 kernels do not run: not tested here."),
 }
 

@@ -29,7 +29,7 @@ from typing import Sequence as Seq
 import torch
 
 from app.core.runner.kv_pool import POOLED
-from app.core.runner.packed import (PACKED, PACKED_STEP, PackedCaches, attention_windows, decode_matmuls, latent_kv,
+from app.core.runner.packed import (PACKED, PACKED_EAGER, PACKED_STEP, PackedCaches, attention_windows, decode_matmuls, latent_kv,
                                     packed_inputs)
 from app.models.batch_rows import batch_rows
 from app.models.lora_layers import adapter_rows
@@ -43,7 +43,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     1), stacked in order: [sum(n_out), vocab]. Only those positions go through lm_head."""
     n_out = n_out or [1] * len(work)
     device = work[0][0].token_ids.device
-    packed = model.config._attn_implementation in (PACKED, POOLED)  # POOLED: packed, save the pooled step's calls
+    packed = model.config._attn_implementation in (PACKED, PACKED_EAGER, POOLED)  # POOLED: packed, save the pooled
+    # step's calls
     items = []
     for seq, n in work:
         cached = seq.cache.get_seq_length()

@@ -10,8 +10,10 @@ Two pieces make the HF model accept such a row without touching its code:
 - `packed_attention` is registered as an attention implementation. For a packed call it attends each request's
   queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
   is why batched greedy output equals solo output), sliding windows included (each layer's window is read from
-  the config as transformers reads it). For any other call it simply is HF's SDPA. A model on another attention
-  kernel (eager: Gemma 2's soft-capping, gpt-oss's sinks) is not packed: the engine runs it one request per pass.
+  the config as transformers reads it). For any other call it simply is HF's SDPA. A model whose attention
+  transformers runs only on its eager kernel (Gemma 2's soft-capping, gpt-oss's sinks) is packed under
+  `PACKED_EAGER` instead: each request's rows go through that model's own eager function with the mask its solo
+  run would get, so only attention is per request, and the projections and MLPs still see all rows at once.
   Chunked attention and recurrent layers are refused at start (app/models/architectures.py).
 
 The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
@@ -29,6 +31,7 @@ and values back into requests at the lengths the update recorded.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 from weakref import WeakKeyDictionary
@@ -37,9 +40,10 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 PACKED = "simple_serve_packed"
+PACKED_EAGER = "simple_serve_packed_eager"  # packed, each request's attention on the model's own eager function
 PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's attention gets the PackedCaches
 
 
@@ -205,8 +209,30 @@ def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor],
     return k_out, v_out
 
 
+def packed_eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """As `packed_attention`, on the model's own eager function (soft-capping, sinks: whatever its module does),
+    one request at a time: query [1, heads, T_total, head_dim]."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if not isinstance(key, PerRequest):  # a solo pass: exactly the model's own eager attention
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    step, window = key.step, key.window
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
+    for i, (start, end) in enumerate(step.spans):
+        k, v = key.tensors[i], value.tensors[i]
+        mask = step.chunk_mask(end - start, k.shape[-2], window)
+        if mask is None:  # eager attention has no causal rule of its own: it needs the causal mask spelled out
+            mask = torch.ones(end - start, k.shape[-2], dtype=torch.bool, device=query.device).tril()[None, None]
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)  # as transformers' eager masks are: 0 seen, min hidden
+        out[:, start:end], _ = eager(module, query[:, :, start:end], k, v, additive, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+    return out, None
+
+
 AttentionInterface.register(PACKED, packed_attention)
 AttentionMaskInterface.register(PACKED, sdpa_mask)  # solo calls get exactly the masks SDPA would get
+AttentionInterface.register(PACKED_EAGER, packed_eager_attention)
+AttentionMaskInterface.register(PACKED_EAGER, eager_mask)  # and here the masks eager attention would get
 
 
 _WINDOWS: WeakKeyDictionary = WeakKeyDictionary()
@@ -236,11 +262,19 @@ def attention_windows(model) -> list[int | None] | None:
 
 
 def enable_packed_batching(model) -> bool:
-    """Switch an SDPA model to `packed_attention` (identical for solo calls). False: keep one request per pass."""
-    if model.config._attn_implementation not in ("sdpa", PACKED) or attention_windows(model) is None:
-        return False  # another kernel, or attention the packed masks do not express: one request per pass
-    model.set_attn_implementation(PACKED)
-    return True
+    """Switch an SDPA model to `packed_attention`, an eager one to `packed_eager_attention` (each identical for solo
+    calls). False: keep one request per pass."""
+    implementation = model.config._attn_implementation
+    if attention_windows(model) is None:
+        return False  # attention the packed masks do not express: one request per pass
+    if implementation in ("sdpa", PACKED):
+        model.set_attn_implementation(PACKED)
+        return True
+    if implementation in ("eager", PACKED_EAGER) and hasattr(sys.modules[type(model).__module__],
+                                                              "eager_attention_forward"):
+        model.set_attn_implementation(PACKED_EAGER)
+        return True
+    return False  # another kernel (flash attention, say): one request per pass
 
 
 def packed_inputs(items: Sequence[tuple[torch.Tensor, int]], device: torch.device) -> dict[str, Any]:

@@ -253,13 +253,16 @@ class StaticDecodeStep:
 
 def pooled_step_problem(lm, batch_decode: bool) -> str | None:
     """Why DECODE_STEP=compiled does not apply to this model (a sentence for the start log), or None."""
-    from app.core.runner.packed import attention_windows, latent_kv  # the packed pass's reading of the layers
+    from app.core.runner.packed import PACKED_EAGER, attention_windows, latent_kv  # the packed pass's reading
 
     windows = attention_windows(lm.model) if batch_decode else None
     if lm.ranks is not None:
         return "tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
     if not batch_decode:
         return "this model's attention is not packed"
+    if lm.model.config._attn_implementation == PACKED_EAGER:
+        return ("this model's attention runs on its own eager function (soft-capping, sinks), which the pooled "
+                "step's attention does not replace")
     if latent_kv(lm.model.config) is not None:
         return ("MLA caches latent keys that the model expands after reading them; the pooled step's attention "
                 "reads keys and values in the pool")
