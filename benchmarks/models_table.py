@@ -52,7 +52,8 @@ FAMILIES = {
     "mixtral": Family("Mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", 46.7, "mistral", "none",
                       "QUANT leaves the experts (most of the weights) unquantized."),
     "deepseek_v3": Family("DeepSeek-V3 / R1 (MLA)", "deepseek-ai/DeepSeek-V3", 671, "deepseek_v3", "deepseek_r1",
-                          "The cache holds MLA's latent (576 values a token and layer), not per-head keys. R1's thinking is "
+                          "The cache and the compiled step's pool hold MLA's latent (576 values a token and layer), "
+                          "not per-head keys. R1's thinking is "
                           "the `deepseek_r1` parser."),
     "gpt_oss": Family("gpt-oss", "openai/gpt-oss-20b", 20.9, "harmony", "harmony",
                       "Its attention sinks run on its own eager attention function, per request in a packed pass "

@@ -1,7 +1,7 @@
 """DeepSeek-V3's multi-head latent attention (MLA) in our packed path: its cache holds a compressed latent and a
 shared rotary key per token (not keys and values per head), which the model expands into keys and values of
-different sizes after reading the cache. Batched, chunked and prefix-cached runs give `model.generate()`'s
-greedy tokens, and the KV budget, the prefix cache and the KV pool count the latent's size, not a head's."""
+different sizes after reading the cache. Batched, chunked, prefix-cached and pooled-step runs give
+`model.generate()`'s greedy tokens, and the KV budget, the prefix cache and the KV pool count the latent's size, not a head's."""
 
 from __future__ import annotations
 
@@ -69,8 +69,15 @@ def test_the_kv_budget_counts_the_latent_not_per_head_keys(mla):
     assert pool.nbytes == 3 * KVPool.bytes_per_block(lm.model.config, 4, torch.float32)
 
 
-def test_the_compiled_step_says_why_it_does_not_take_mla(mla, caplog):
-    lm, *_ = mla
-    with caplog.at_level("INFO"):
-        assert build_decode_step(lm, 4, 1 << 22, batch_decode=True, compile=False) is None
-    assert "latent" in caplog.text and "MLA" in caplog.text
+def test_the_pooled_decode_step_expands_the_pools_latents_and_gives_generates_tokens(mla, monkeypatch):
+    """DECODE_STEP=compiled's step, here without inductor: the pool holds the latents, the model expands every row's
+    own, and attention reads them under the step's mask."""
+    import functools
+
+    import app.core.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "build_decode_step", functools.partial(build_decode_step, compile=False))
+    lm, prompts, expected = mla
+    seen, engine = run_engine(lm, [(p, GREEDY) for p in prompts], together=True, decode_step="compiled")
+    assert engine._runner.static_decode.steps >= N - 2  # every decode-only step after the prefills
+    assert [s.tokens for s in seen] == expected

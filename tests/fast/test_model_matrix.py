@@ -56,7 +56,7 @@ def verdict(seen, expected: list[list[int]]) -> str:
 
 def off(reason: str) -> str:
     """The short reason a row gives for a path the engine turned off (the start log says it in full)."""
-    for marker, short in (("MLA", "MLA latent KV"), ("eager", "eager attention"), ("sliding", "sliding window"),
+    for marker, short in (("eager", "eager attention"), ("sliding", "sliding window"),
                           ("not packed", "not packed")):
         if marker in reason:
             return f"off: {short}"

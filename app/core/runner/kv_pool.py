@@ -15,7 +15,8 @@ a finished request's keys are gathered back out for it (`as_dynamic_cache`). Sha
 does, is not done yet.
 
 `pooled_attention` is registered as an attention implementation: for a pooled decode step it reads every row's
-keys through its block table; for anything else it is `packed_attention` itself.
+keys through its block table; for anything else it is `packed_attention` itself. An MLA model's pool holds its
+latents (`kv_shape`); the step hands the model every row's latents to expand, and attention then gets tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from app.core.runner.packed import grouped_decode_attention, latent_kv, packed_attention
 
 POOLED = "simple_serve_pooled"
+POOLED_MASK = "simple_serve_pooled_mask"  # the keyword under which an MLA model's attention gets the step's mask
 
 
 class PoolExhausted(RuntimeError):
@@ -195,15 +197,25 @@ class PooledKV:
 
     def gather(self) -> torch.Tensor:
         """[B, kv_heads, W * block_size, head_dim] fp32: every row's blocks in order."""
+        return self.rows().float()
+
+    def rows(self) -> torch.Tensor:
+        """[B, kv_heads, W * block_size, head_dim] in the pool's dtype: every row's blocks in order."""
         blocks = self.pool[self.table]  # [B, W, kv_heads, block_size, head_dim]
         batch, width, kv_heads, block_size, head_dim = blocks.shape
-        return blocks.transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim).float()
+        return blocks.transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
 
 
 def pooled_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query: [B, heads, 1, head_dim], one decode token per row, over its keys in the pool -> [B, 1, heads, d].
     Two fp32 matmuls, as the packed pass does for decode rows on a CPU in half precision (and here in fp32 too:
-    one formula for every dtype, which the compiler fuses)."""
+    one formula for every dtype, which the compiler fuses).
+
+    MLA: the model expanded every row's latents (`PooledKV.rows`) into keys and values itself, so they arrive as
+    tensors, [B, heads, W * block_size, d_k or d_v], with the step's mask under POOLED_MASK."""
+    if (mask := kwargs.pop(POOLED_MASK, None)) is not None:
+        out = grouped_decode_attention(query, key.float(), value.float(), mask, scaling or query.shape[-1] ** -0.5)
+        return out.to(query.dtype)[:, None], None
     if not isinstance(key, PooledKV):
         return packed_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 **kwargs)

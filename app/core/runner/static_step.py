@@ -34,7 +34,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from app.core.runner.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
+from app.core.runner.kv_pool import POOLED, POOLED_MASK, KVPool, PoolExhausted, PoolHandle, PooledKV
+from app.core.runner.packed import latent_kv
 from app.models.logits import head_only
 from app.models.prepack import PackedLinear
 
@@ -55,15 +56,18 @@ class _PoolWrites:
 
     is_compileable = True
 
-    def __init__(self, pool: KVPool, write_block, write_offset, table, mask):
+    def __init__(self, pool: KVPool, write_block, write_offset, table, mask, latent: bool = False):
         self.pool, self.write_block, self.write_offset, self.table, self.mask = (pool, write_block, write_offset,
                                                                                  table, mask)
+        self.latent = latent  # MLA: hand back every row's latents, which the model expands itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states: [B, kv_heads, 1, head_dim]."""
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         keys[self.write_block, :, self.write_offset] = key_states[:, :, 0]
         values[self.write_block, :, self.write_offset] = value_states[:, :, 0]
+        if self.latent:  # [B, 1, W * block_size, latent or rotary size]
+            return PooledKV(keys, self.table, self.mask).rows(), PooledKV(values, self.table, self.mask).rows()
         return PooledKV(keys, self.table, self.mask), PooledKV(values, self.table, self.mask)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -110,6 +114,7 @@ class StaticDecodeStep:
             raise ValueError(f"the pooled step needs SDPA attention, not {model.config._attn_implementation}")
         model.set_attn_implementation(POOLED)  # packed_attention for every other call
         self.model, self.pool = model, pool
+        self.latent = latent_kv(model.config) is not None
         self.buckets = sorted(buckets) if buckets else buckets_up_to(max_batch)  # `buckets`: a bench's subset
         self.max_blocks = -(-max_context // pool.block_size)
         device, biggest = pool.device, self.buckets[-1]
@@ -142,9 +147,10 @@ class StaticDecodeStep:
         visible = torch.arange(width, device=ids.device)[None, :] < lengths[:, None]  # [B, W * block_size]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=ids.device).masked_fill_(
             ~visible, torch.finfo(torch.float32).min)[:, None, None, :]
-        cache = _PoolWrites(self.pool, write_block, write_offset, table, mask)
+        cache = _PoolWrites(self.pool, write_block, write_offset, table, mask, latent=self.latent)
+        extra = {POOLED_MASK: mask} if self.latent else {}  # MLA: attention meets expanded keys, not PooledKV
         hidden = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                                  attention_mask=mask).last_hidden_state  # [B, 1, H]; a 4D mask: kept as is
+                                  attention_mask=mask, **extra).last_hidden_state  # [B, 1, H]; a 4D mask: kept
         return self.head(inputs_embeds=hidden, use_cache=False).logits[:, -1].float()
 
     def widths(self) -> list[int]:
@@ -253,7 +259,7 @@ class StaticDecodeStep:
 
 def pooled_step_problem(lm, batch_decode: bool) -> str | None:
     """Why DECODE_STEP=compiled does not apply to this model (a sentence for the start log), or None."""
-    from app.core.runner.packed import PACKED_EAGER, attention_windows, latent_kv  # the packed pass's reading
+    from app.core.runner.packed import PACKED_EAGER, attention_windows  # the packed pass's reading of the layers
 
     windows = attention_windows(lm.model) if batch_decode else None
     if lm.ranks is not None:
@@ -263,9 +269,6 @@ def pooled_step_problem(lm, batch_decode: bool) -> str | None:
     if lm.model.config._attn_implementation == PACKED_EAGER:
         return ("this model's attention runs on its own eager function (soft-capping, sinks), which the pooled "
                 "step's attention does not replace")
-    if latent_kv(lm.model.config) is not None:
-        return ("MLA caches latent keys that the model expands after reading them; the pooled step's attention "
-                "reads keys and values in the pool")
     if windows is None or any(w is not None for w in windows):
         return "some layers use sliding or other attention; the pooled step does full attention only"
     if any(isinstance(m, PackedLinear) for m in lm.model.modules()):
