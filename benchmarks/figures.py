@@ -9,7 +9,7 @@ matplotlib, imported only there, so the tables (and the test that checks them) n
 
 from __future__ import annotations
 
-from benchmarks import cited_tables, goal_tables, run_tables
+from benchmarks import cited_tables, goal_tables, models_table, run_tables
 from benchmarks.cells import DTYPES, markdown, ms, provenance, ratio, ttft_cell
 
 SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`", "ours-int4": "simple-serve, `QUANT=int4`",
@@ -156,6 +156,6 @@ TABLES = {"compare": compare_table, "compare-streams": streams_table, "shortcuts
 
 
 def tables() -> dict:
-    """Every table kind: these, the other benches' (run_tables), the cited summaries (cited_tables) and the goals
-    (goal_tables)."""
-    return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES, **goal_tables.TABLES}
+    """Every table kind: these, the other benches' (run_tables), the cited summaries (cited_tables), the goals
+    (goal_tables) and the supported models (models_table)."""
+    return {**TABLES, **run_tables.TABLES, **cited_tables.TABLES, **goal_tables.TABLES, **models_table.TABLES}

@@ -21,6 +21,7 @@ from jinja2 import TemplateError
 from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
 from app.models.chat_template import passed_kwargs, template_variables
+from app.models.architectures import unservable
 from app.models.batch_rows import copy_bytes, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
@@ -160,6 +161,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     ranks = None
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
+        if why := unservable(config):  # before minutes of loading weights it could not serve
+            raise ConfigError(f"cannot serve {name_or_path!r}: {why}", param="model")
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         if tensor_parallel > 1:
             if why := tp_plan_problem(config, tensor_parallel, name_or_path):  # before joining the other ranks

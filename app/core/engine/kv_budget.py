@@ -25,6 +25,7 @@ import psutil
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from app.core.runner.packed import latent_kv
 from app.errors import InvalidRequest
 
 log = logging.getLogger("app.core.engine.kv_budget")
@@ -45,6 +46,7 @@ class KVLayout:
         gives one (it need not be hidden_size / heads), KV heads for grouped-query attention, and each layer's kind
         (sliding windows and chunked attention keep at most their window; layers that reuse another's KV keep none)."""
         text = config.get_text_config(decoder=True)
+        latent = latent_kv(text)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         per_layer = getattr(text, "per_layer_config", None) or [text] * len(layer_types)
         layers = []
@@ -53,6 +55,8 @@ class KVLayout:
             kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
             head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
             per_token = 0 if layer_type == "dummy" else 2 * kv_heads * head_dim * dtype.itemsize
+            if latent is not None:  # MLA caches one latent and one rotary key (app/core/runner/packed.py)
+                per_token = sum(latent) * dtype.itemsize
             layers.append((per_token, kwargs.get("sliding_window")))
         return cls(tuple(layers))
 

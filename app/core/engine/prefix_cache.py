@@ -8,7 +8,8 @@ skips prefilling that part.
     a hit        the longest run of cached blocks from the start, capped so at least the last prompt token is
                  recomputed (its logits choose the first new token)
 
-Each block holds its KV for every layer in one immutable tensor `[layers, 2 (key, value), kv_heads, block, head_dim]`.
+Each block holds its KV for every layer in two immutable tensors, keys `[layers, kv_heads, block, key_dim]` and values
+`[layers, kv_heads, block, value_dim]` (two, since the sizes may differ: MLA caches a latent and a rotary key).
 A hit is copied into the new request's own DynamicCache (`load`), so requests never share or mutate cached tensors
 and a block can be evicted at any time. Keys are exact (Python compares the token tuples on a dict hit), so two
 different prompts never share KV because of a hash collision.
@@ -58,12 +59,13 @@ class Block:
     id: int
     key: tuple  # (parent id, token ids of this block)
     parent: Block | None
-    kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
+    keys: torch.Tensor  # [layers, kv_heads, block_size, key_dim]
+    values: torch.Tensor  # [layers, kv_heads, block_size, value_dim]
     children: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 def keeps_all_keys(config) -> bool:
@@ -111,9 +113,10 @@ class PrefixCache:
 
     def load(self, blocks: list[Block], config) -> DynamicCache:
         """A new DynamicCache holding a copy of `blocks`' keys and values (the request owns it)."""
-        kv = torch.cat([block.kv for block in blocks], dim=3)  # [layers, 2, kv_heads, n_tokens, head_dim]
-        # DynamicCache.update concatenates, so each layer gets its own contiguous copy, never a view of `kv`.
-        return DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv], config=config)
+        keys = torch.cat([block.keys for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, key_dim]
+        values = torch.cat([block.values for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, value_dim]
+        # DynamicCache.update concatenates, so each layer gets its own contiguous copy, never a view of these.
+        return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
 
     def insert(self, token_ids: Sequence[int], cache: DynamicCache, salt: str | None = None) -> int:
         """Store the full blocks of `token_ids` whose KV `cache` holds and that are not cached yet, under `salt`;
@@ -128,11 +131,11 @@ class PrefixCache:
             key = (parent.id if parent else root(salt), tuple(token_ids[start : start + b]))
             block = self._blocks.get(key)
             if block is None:
-                kv = torch.stack([torch.stack((layer.keys[0, :, start : start + b], layer.values[0, :, start : start + b]))
-                                  for layer in layers])
-                if not self._make_room(kv.numel() * kv.element_size(), keep=path):
+                keys = torch.stack([layer.keys[0, :, start : start + b] for layer in layers])
+                values = torch.stack([layer.values[0, :, start : start + b] for layer in layers])
+                if not self._make_room(sum(t.numel() * t.element_size() for t in (keys, values)), keep=path):
                     break
-                block = Block(self._next_id, key, parent, kv)
+                block = Block(self._next_id, key, parent, keys, values)
                 self._next_id += 1
                 self._add(block)
                 added += 1

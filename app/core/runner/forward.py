@@ -29,7 +29,8 @@ from typing import Sequence as Seq
 import torch
 
 from app.core.runner.kv_pool import POOLED
-from app.core.runner.packed import PACKED, PackedCaches, attention_windows, decode_matmuls, packed_inputs
+from app.core.runner.packed import (PACKED, PACKED_EAGER, PACKED_STEP, PackedCaches, attention_windows, decode_matmuls, latent_kv,
+                                    packed_inputs)
 from app.models.batch_rows import batch_rows
 from app.models.lora_layers import adapter_rows
 from app.models.logits import logits_from_hidden
@@ -42,7 +43,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     1), stacked in order: [sum(n_out), vocab]. Only those positions go through lm_head."""
     n_out = n_out or [1] * len(work)
     device = work[0][0].token_ids.device
-    packed = model.config._attn_implementation in (PACKED, POOLED)  # POOLED: packed, save the pooled step's calls
+    packed = model.config._attn_implementation in (PACKED, PACKED_EAGER, POOLED)  # POOLED: packed, save the pooled
+    # step's calls
     items = []
     for seq, n in work:
         cached = seq.cache.get_seq_length()
@@ -57,7 +59,10 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
             raise ValueError("several rows in one pass need packed attention (enable_packed_batching)")
         inputs = packed_inputs(items, device)  # [1, T_total], each row at its own positions
         spans = inputs.pop("spans")
-        inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model))
+        inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
+                                       latent=latent_kv(model.config) is not None)
+        if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
+            inputs[PACKED_STEP] = inputs["cache"]
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
     with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]

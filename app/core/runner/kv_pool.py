@@ -15,7 +15,8 @@ a finished request's keys are gathered back out for it (`as_dynamic_cache`). Sha
 does, is not done yet.
 
 `pooled_attention` is registered as an attention implementation: for a pooled decode step it reads every row's
-keys through its block table; for anything else it is `packed_attention` itself.
+keys through its block table; for anything else it is `packed_attention` itself. An MLA model's pool holds its
+latents (`kv_shape`); the step hands the model every row's latents to expand, and attention then gets tensors.
 """
 
 from __future__ import annotations
@@ -28,33 +29,38 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from app.core.runner.packed import grouped_decode_attention, packed_attention
+from app.core.runner.packed import grouped_decode_attention, latent_kv, packed_attention
 
 POOLED = "simple_serve_pooled"
+POOLED_MASK = "simple_serve_pooled_mask"  # the keyword under which an MLA model's attention gets the step's mask
 
 
 class PoolExhausted(RuntimeError):
     """No free blocks left: the caller keeps today's DynamicCache path for this request."""
 
 
-def kv_shape(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder config."""
+def kv_shape(config) -> tuple[int, int, int, int]:
+    """(layers, kv_heads, key_dim, value_dim) of what a decoder config's cache holds per token: for MLA one latent
+    and one rotary key (app/core/runner/packed.py's `latent_kv`), not the keys and values it expands them into."""
     text = config.get_text_config(decoder=True)
+    if (latent := latent_kv(config)) is not None:
+        return text.num_hidden_layers, 1, *latent
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+    return text.num_hidden_layers, text.num_key_value_heads, head_dim, head_dim
 
 
 class KVPool:
-    """Per layer: keys and values `[num_blocks + 1, kv_heads, block_size, head_dim]`; block `num_blocks` pads."""
+    """Per layer: keys `[num_blocks + 1, kv_heads, block_size, key_dim]` and values likewise (`value_dim`); block
+    `num_blocks` pads."""
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of one token, got {num_blocks} x {block_size}")
-        layers, kv_heads, head_dim = kv_shape(config)
-        shape = (num_blocks + 1, kv_heads, block_size, head_dim)
+        layers, kv_heads, key_dim, value_dim = kv_shape(config)
+        blocks = (num_blocks + 1, kv_heads, block_size)
         # zeros, not empty: a masked key still meets its value in a matmul (0 x NaN would be NaN)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [torch.zeros(*blocks, key_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(*blocks, value_dim, dtype=dtype, device=device) for _ in range(layers)]
         if torch.device(device).type == "cuda":  # a captured graph reads them at fixed addresses
             for tensor in self.keys + self.values:
                 torch._dynamo.mark_static_address(tensor)
@@ -65,8 +71,8 @@ class KVPool:
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-        layers, kv_heads, head_dim = kv_shape(config)
-        return 2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        layers, kv_heads, key_dim, value_dim = kv_shape(config)
+        return layers * kv_heads * block_size * (key_dim + value_dim) * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -174,8 +180,8 @@ class PoolHandle:
         return self.read(self.pool.keys[layer_idx], end), self.read(self.pool.values[layer_idx], end)
 
     def read(self, pool_layer: torch.Tensor, length: int) -> torch.Tensor:
-        """[1, kv_heads, length, head_dim]: this request's blocks of one pool layer, in order."""
-        blocks = pool_layer[self.block_table]  # [n_blocks, kv_heads, block_size, head_dim]
+        """[1, kv_heads, length, dim]: this request's blocks of one pool layer, in order."""
+        blocks = pool_layer[self.block_table]  # [n_blocks, kv_heads, block_size, dim]
         _, kv_heads, _, head_dim = blocks.shape
         return blocks.transpose(0, 1).reshape(kv_heads, -1, head_dim)[None, :, :length]
 
@@ -191,15 +197,25 @@ class PooledKV:
 
     def gather(self) -> torch.Tensor:
         """[B, kv_heads, W * block_size, head_dim] fp32: every row's blocks in order."""
+        return self.rows().float()
+
+    def rows(self) -> torch.Tensor:
+        """[B, kv_heads, W * block_size, head_dim] in the pool's dtype: every row's blocks in order."""
         blocks = self.pool[self.table]  # [B, W, kv_heads, block_size, head_dim]
         batch, width, kv_heads, block_size, head_dim = blocks.shape
-        return blocks.transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim).float()
+        return blocks.transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
 
 
 def pooled_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query: [B, heads, 1, head_dim], one decode token per row, over its keys in the pool -> [B, 1, heads, d].
     Two fp32 matmuls, as the packed pass does for decode rows on a CPU in half precision (and here in fp32 too:
-    one formula for every dtype, which the compiler fuses)."""
+    one formula for every dtype, which the compiler fuses).
+
+    MLA: the model expanded every row's latents (`PooledKV.rows`) into keys and values itself, so they arrive as
+    tensors, [B, heads, W * block_size, d_k or d_v], with the step's mask under POOLED_MASK."""
+    if (mask := kwargs.pop(POOLED_MASK, None)) is not None:
+        out = grouped_decode_attention(query, key.float(), value.float(), mask, scaling or query.shape[-1] ** -0.5)
+        return out.to(query.dtype)[:, None], None
     if not isinstance(key, PooledKV):
         return packed_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 **kwargs)

@@ -10,18 +10,28 @@ Two pieces make the HF model accept such a row without touching its code:
 - `packed_attention` is registered as an attention implementation. For a packed call it attends each request's
   queries to that request's keys only, with HF's own SDPA function and the same causal rule as a solo run (which
   is why batched greedy output equals solo output), sliding windows included (each layer's window is read from
-  the config as transformers reads it). For any other call it simply is HF's SDPA. Models with attention these
-  masks cannot express (chunked attention, say) are not packed: the engine runs them one request per pass.
+  the config as transformers reads it). For any other call it simply is HF's SDPA. A model whose attention
+  transformers runs only on its eager kernel (Gemma 2's soft-capping, gpt-oss's sinks) is packed under
+  `PACKED_EAGER` instead: each request's rows go through that model's own eager function with the mask its solo
+  run would get, so only attention is per request, and the projections and MLPs still see all rows at once.
+  Chunked attention and recurrent layers are refused at start (app/models/architectures.py).
 
 The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
 call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
 against 77 ms with one SDPA call per request); each prefill chunk gets its own call, unpadded. On a CPU in
 bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
+
+Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) caches a compressed latent and one shared rotary key per
+token, and the model expands them into keys and values of different sizes after the cache returns them; it cannot
+expand a `PerRequest`. For such a model `PackedCaches.update` returns every request's latents joined into one row
+instead, and the pass hands attention the step under `PACKED_STEP`, so that `packed_attention` cuts the expanded keys
+and values back into requests at the lengths the update recorded.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 from weakref import WeakKeyDictionary
@@ -30,9 +40,19 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 PACKED = "simple_serve_packed"
+PACKED_EAGER = "simple_serve_packed_eager"  # packed, each request's attention on the model's own eager function
+PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's attention gets the PackedCaches
+
+
+def latent_kv(config) -> tuple[int, int] | None:
+    """MLA's cached sizes per token and layer, (latent, rotary key), as one 'key head' and one 'value head' of those
+    sizes; None for a model that caches keys and values per KV head."""
+    text = config.get_text_config(decoder=True)
+    rank = getattr(text, "kv_lora_rank", None)
+    return (rank, text.qk_rope_head_dim) if rank else None
 
 
 @dataclass
@@ -55,8 +75,10 @@ class PackedCaches:
     is_compileable = False
 
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
-                 windows: Sequence[int | None] | None = None):
+                 windows: Sequence[int | None] | None = None, latent: bool = False):
         self.caches = list(caches)
+        self.latent = latent  # MLA: `update` joins the requests' latents; `lengths` says where to cut them again
+        self.lengths: dict[int, list[int]] = {}
         self.spans = spans
         self.windows = list(windows) if windows is not None else None
         self.decoding = [i for i, (start, end) in enumerate(spans) if end - start == 1]
@@ -71,8 +93,19 @@ class PackedCaches:
             k, v = cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
             keys.append(k)
             values.append(v)
+        if self.latent:  # [1, 1, sum of cached lengths, latent or rotary size]: the model expands them itself
+            self.lengths[layer_idx] = [k.shape[-2] for k in keys]
+            return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
         window = self.windows[layer_idx] if self.windows is not None else None
         return PerRequest(keys, self, window), PerRequest(values, self, window)
+
+    def split(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[PerRequest, PerRequest]:
+        """An MLA layer's expanded keys and values, [1, heads, sum of cached lengths, d_k or d_v], cut back into
+        requests."""
+        lengths = self.lengths[layer_idx]
+        window = self.windows[layer_idx] if self.windows is not None else None
+        return (PerRequest(list(key.split(lengths, dim=-2)), self, window),
+                PerRequest(list(value.split(lengths, dim=-2)), self, window))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
@@ -110,11 +143,14 @@ class PackedCaches:
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query: [1, heads, T_total, head_dim]. Each request attends only to its own keys."""
+    if (step := kwargs.pop(PACKED_STEP, None)) is not None and not isinstance(key, PerRequest):
+        key, value = step.split(key, value, module.layer_idx)  # MLA: expanded from the joined latents
     if not isinstance(key, PerRequest):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     step, window = key.step, key.window
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T_total, heads, head_dim]
+    # [1, T_total, heads, value head_dim]: MLA's values are not the size of its keys and queries
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     if step.decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
         # On a CPU in bf16/fp16, two fp32 matmuls beat SDPA by far (`grouped_decode_attention`); the padded copy
@@ -156,25 +192,47 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     batch, kv_heads, _, dim = k.shape
     grouped = q.reshape(batch, kv_heads, -1, dim).float()  # [B, kv_heads, groups, d]: heads h*g..h*g+g-1 share h
     scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling).add_(mask)  # [B, kv_heads, groups, width]
-    return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, dim)
+    return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, v.shape[-1])  # d_v: MLA's differs from d
 
 
 def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, kv_heads, len_i, d] each -> [B, kv_heads, width, d] each in `dtype`, zeros on the left (see
-    `decode_mask`)."""
+    """[1, kv_heads, len_i, d_k or d_v] each -> [B, kv_heads, width, d_k or d_v] each in `dtype`, zeros on the
+    left (see `decode_mask`)."""
     width = max(k.shape[-2] for k in keys)
     _, heads, _, dim = keys[0].shape
     k_out = keys[0].new_zeros(len(keys), heads, width, dim, dtype=dtype)
-    v_out = values[0].new_zeros(len(keys), heads, width, dim, dtype=dtype)
+    v_out = values[0].new_zeros(len(keys), heads, width, values[0].shape[-1], dtype=dtype)
     for i, (k, v) in enumerate(zip(keys, values)):
         pad = width - k.shape[-2]
         k_out[i, :, pad:], v_out[i, :, pad:] = k[0], v[0]
     return k_out, v_out
 
 
+def packed_eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """As `packed_attention`, on the model's own eager function (soft-capping, sinks: whatever its module does),
+    one request at a time: query [1, heads, T_total, head_dim]."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if not isinstance(key, PerRequest):  # a solo pass: exactly the model's own eager attention
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    step, window = key.step, key.window
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
+    for i, (start, end) in enumerate(step.spans):
+        k, v = key.tensors[i], value.tensors[i]
+        mask = step.chunk_mask(end - start, k.shape[-2], window)
+        if mask is None:  # eager attention has no causal rule of its own: it needs the causal mask spelled out
+            mask = torch.ones(end - start, k.shape[-2], dtype=torch.bool, device=query.device).tril()[None, None]
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)  # as transformers' eager masks are: 0 seen, min hidden
+        out[:, start:end], _ = eager(module, query[:, :, start:end], k, v, additive, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+    return out, None
+
+
 AttentionInterface.register(PACKED, packed_attention)
 AttentionMaskInterface.register(PACKED, sdpa_mask)  # solo calls get exactly the masks SDPA would get
+AttentionInterface.register(PACKED_EAGER, packed_eager_attention)
+AttentionMaskInterface.register(PACKED_EAGER, eager_mask)  # and here the masks eager attention would get
 
 
 _WINDOWS: WeakKeyDictionary = WeakKeyDictionary()
@@ -204,11 +262,19 @@ def attention_windows(model) -> list[int | None] | None:
 
 
 def enable_packed_batching(model) -> bool:
-    """Switch an SDPA model to `packed_attention` (identical for solo calls). False: keep one request per pass."""
-    if model.config._attn_implementation not in ("sdpa", PACKED) or attention_windows(model) is None:
-        return False  # another kernel, or attention the packed masks do not express: one request per pass
-    model.set_attn_implementation(PACKED)
-    return True
+    """Switch an SDPA model to `packed_attention`, an eager one to `packed_eager_attention` (each identical for solo
+    calls). False: keep one request per pass."""
+    implementation = model.config._attn_implementation
+    if attention_windows(model) is None:
+        return False  # attention the packed masks do not express: one request per pass
+    if implementation in ("sdpa", PACKED):
+        model.set_attn_implementation(PACKED)
+        return True
+    if implementation in ("eager", PACKED_EAGER) and hasattr(sys.modules[type(model).__module__],
+                                                              "eager_attention_forward"):
+        model.set_attn_implementation(PACKED_EAGER)
+        return True
+    return False  # another kernel (flash attention, say): one request per pass
 
 
 def packed_inputs(items: Sequence[tuple[torch.Tensor, int]], device: torch.device) -> dict[str, Any]:

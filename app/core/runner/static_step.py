@@ -34,7 +34,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from app.core.runner.kv_pool import POOLED, KVPool, PoolExhausted, PoolHandle, PooledKV
+from app.core.runner.kv_pool import POOLED, POOLED_MASK, KVPool, PoolExhausted, PoolHandle, PooledKV
+from app.core.runner.packed import latent_kv
 from app.models.logits import head_only
 from app.models.prepack import PackedLinear
 
@@ -55,15 +56,18 @@ class _PoolWrites:
 
     is_compileable = True
 
-    def __init__(self, pool: KVPool, write_block, write_offset, table, mask):
+    def __init__(self, pool: KVPool, write_block, write_offset, table, mask, latent: bool = False):
         self.pool, self.write_block, self.write_offset, self.table, self.mask = (pool, write_block, write_offset,
                                                                                  table, mask)
+        self.latent = latent  # MLA: hand back every row's latents, which the model expands itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states: [B, kv_heads, 1, head_dim]."""
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         keys[self.write_block, :, self.write_offset] = key_states[:, :, 0]
         values[self.write_block, :, self.write_offset] = value_states[:, :, 0]
+        if self.latent:  # [B, 1, W * block_size, latent or rotary size]
+            return PooledKV(keys, self.table, self.mask).rows(), PooledKV(values, self.table, self.mask).rows()
         return PooledKV(keys, self.table, self.mask), PooledKV(values, self.table, self.mask)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -110,6 +114,7 @@ class StaticDecodeStep:
             raise ValueError(f"the pooled step needs SDPA attention, not {model.config._attn_implementation}")
         model.set_attn_implementation(POOLED)  # packed_attention for every other call
         self.model, self.pool = model, pool
+        self.latent = latent_kv(model.config) is not None
         self.buckets = sorted(buckets) if buckets else buckets_up_to(max_batch)  # `buckets`: a bench's subset
         self.max_blocks = -(-max_context // pool.block_size)
         device, biggest = pool.device, self.buckets[-1]
@@ -142,9 +147,10 @@ class StaticDecodeStep:
         visible = torch.arange(width, device=ids.device)[None, :] < lengths[:, None]  # [B, W * block_size]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=ids.device).masked_fill_(
             ~visible, torch.finfo(torch.float32).min)[:, None, None, :]
-        cache = _PoolWrites(self.pool, write_block, write_offset, table, mask)
+        cache = _PoolWrites(self.pool, write_block, write_offset, table, mask, latent=self.latent)
+        extra = {POOLED_MASK: mask} if self.latent else {}  # MLA: attention meets expanded keys, not PooledKV
         hidden = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                                  attention_mask=mask).last_hidden_state  # [B, 1, H]; a 4D mask: kept as is
+                                  attention_mask=mask, **extra).last_hidden_state  # [B, 1, H]; a 4D mask: kept
         return self.head(inputs_embeds=hidden, use_cache=False).logits[:, -1].float()
 
     def widths(self) -> list[int]:
@@ -251,21 +257,32 @@ class StaticDecodeStep:
             self.table[rows:bucket] = self.pool.pad_block
 
 
+def pooled_step_problem(lm, batch_decode: bool) -> str | None:
+    """Why DECODE_STEP=compiled does not apply to this model (a sentence for the start log), or None."""
+    from app.core.runner.packed import PACKED_EAGER, attention_windows  # the packed pass's reading of the layers
+
+    windows = attention_windows(lm.model) if batch_decode else None
+    if lm.ranks is not None:
+        return "tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
+    if not batch_decode:
+        return "this model's attention is not packed"
+    if lm.model.config._attn_implementation == PACKED_EAGER:
+        return ("this model's attention runs on its own eager function (soft-capping, sinks), which the pooled "
+                "step's attention does not replace")
+    if windows is None or any(w is not None for w in windows):
+        return "some layers use sliding or other attention; the pooled step does full attention only"
+    if any(isinstance(m, PackedLinear) for m in lm.model.modules()):
+        return "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
+    return None
+
+
 def build_decode_step(lm, max_batch: int, kv_capacity_bytes: int, *, batch_decode: bool,
                       block_size: int = 16, compile: bool = True) -> StaticDecodeStep | None:
     """DECODE_STEP=compiled at the engine's start: the pool, the step, and every bucket compiled. None (with a
     log line saying why) where it does not apply, and the engine decodes eagerly as before."""
-    from app.core.runner.packed import PACKED, attention_windows  # the packed pass's own reading of the layer kinds
+    from app.core.runner.packed import PACKED
 
-    windows = attention_windows(lm.model) if batch_decode else None
-    why_not = ("tensor parallelism is on: the other ranks mirror the packed passes, not a pooled step"
-               if lm.ranks is not None else
-               "this model's attention is not packed" if not batch_decode else
-               "some layers use sliding or other attention; the pooled step does full attention only"
-               if windows is None or any(w is not None for w in windows) else
-               "inductor cannot compile bf16 prepacked linears (PREPACK=false allows it)"
-               if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else None)
-    if why_not:
+    if why_not := pooled_step_problem(lm, batch_decode):
         log.info("DECODE_STEP=compiled does not apply, decode steps stay eager: %s", why_not)
         return None
     per_block = KVPool.bytes_per_block(lm.model.config, block_size, lm.dtype)
