@@ -257,3 +257,14 @@ def test_a_deadline_during_a_scored_prefill_gives_an_empty_answer_not_a_wrong_sc
     # as any answer cut before its first token: nothing made, and no score that looks like one
     assert choice["finish_reason"] == "timeout"
     assert choice["logprobs"] is None and choice["prompt_logprobs"] is None
+
+
+def test_json_written_in_pieces_is_the_json_of_the_whole():
+    from app.openai.scoring import JSON_PIECE, json_text
+
+    body = {"id": "x", "choices": [{"index": i, "text": "é\n\"", "logprobs": {
+        "tokens": [f"t{j}" for j in range(3 * JSON_PIECE + 5)], "top_logprobs": [None, {"a": -1.5}] * JSON_PIECE},
+        "prompt_logprobs": [None] + [{"7": {"logprob": -0.25, "rank": 1}}] * (JSON_PIECE + 1)} for i in range(2)],
+        "empty": [], "usage": {"prompt_tokens": 3}}
+    assert json_text(body) == json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    assert json_text(body, depth=0) == json_text(body)
