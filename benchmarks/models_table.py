@@ -35,7 +35,8 @@ FAMILIES = {
     "qwen3": Family("Qwen3", "Qwen/Qwen3-8B", 8.19, "hermes", "qwen3",
                     "`enable_thinking` and the thinking budget apply."),
     "qwen3_moe": Family("Qwen3-MoE", "Qwen/Qwen3-30B-A3B", 30.5, "hermes", "qwen3",
-                        "QUANT leaves the experts (most of the weights) unquantized. Qwen3-Coder writes XML calls (`TOOL_CALL_PARSER=qwen3_coder`)."),
+                        "QUANT leaves the experts (most of the weights) unquantized. Qwen3-Coder writes XML calls "
+                        "(`TOOL_CALL_PARSER=qwen3_coder`)."),
     "gemma2": Family("Gemma 2", "google/gemma-2-9b-it", 9.24, "none", "none",
                      "Its attention soft-capping runs on its own eager attention function, per request in a "
                      "packed pass (no compiled step); sliding-window layers."),

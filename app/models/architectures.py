@@ -27,9 +27,9 @@ def unservable(config) -> str | None:
     layer_types, _ = get_layer_types_and_kwargs(text)
     others = sorted({kind for kind in layer_types if kind not in SERVED_LAYERS})
     if "chunked_attention" in others:
-        return (f"{model_type} uses chunked attention (attention_chunk_size={getattr(text, 'attention_chunk_size', '?')}"
-                "), which this server does not serve exactly; only full and sliding-window attention layers are "
-                "served")
+        chunk = getattr(text, "attention_chunk_size", "?")
+        return (f"{model_type} uses chunked attention (attention_chunk_size={chunk}), which this server does not "
+                "serve exactly; only full and sliding-window attention layers are served")
     if others:
         return (f"{model_type} has {', '.join(others)} layers, which keep a recurrent state rather than a KV cache "
                 "(Mamba, linear attention or a hybrid of them); this server serves decoders whose every layer is "

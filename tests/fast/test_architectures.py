@@ -13,7 +13,7 @@ from app.core.generate import generate
 from app.core.sampling import SamplingParams
 from app.errors import ConfigError
 from app.models.loading import load_model
-from arch_models import REFUSED, build, refused_config
+from arch_models import REFUSED, refused_config
 
 REASONS = {
     "falcon_h1": r"falcon_h1 has hybrid layers, which keep a recurrent state rather than a KV cache",

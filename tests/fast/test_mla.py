@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-head latent attention (MLA) in our packed path: its cache holds a compressed latent and a
 shared rotary key per token (not keys and values per head), which the model expands into keys and values of
 different sizes after reading the cache. Batched, chunked, prefix-cached and pooled-step runs give
-`model.generate()`'s greedy tokens, and the KV budget, the prefix cache and the KV pool count the latent's size, not a head's."""
+`model.generate()`'s greedy tokens, and the KV budget, the prefix cache and the KV pool count the latent's size, not
+a head's."""
 
 from __future__ import annotations
 

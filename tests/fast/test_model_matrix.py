@@ -169,7 +169,8 @@ def record_row(family: str, row: dict[str, str]) -> None:
     recorded = json.loads(RECORDED.read_text()) if RECORDED.exists() else {"families": {}}
     families = recorded["families"] | {family: row}
     RECORDED.write_text(json.dumps({
-        "schema": record.SCHEMA, "bench": "models", "source": "RECORD_MODEL_MATRIX=1 pytest tests/fast/test_model_matrix.py",
+        "schema": record.SCHEMA, "bench": "models",
+        "source": "RECORD_MODEL_MATRIX=1 pytest tests/fast/test_model_matrix.py",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": record.machine(), "versions": record.versions(), "settings": {"dtype": "float32", "max_tokens": N},
         "families": {f: families[f] for f in FAMILIES if f in families}}, indent=1, ensure_ascii=False) + "\n")

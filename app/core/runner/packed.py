@@ -123,6 +123,20 @@ class PackedCaches:
             self._masks[key] = mask
         return self._masks[key]
 
+    def eager_mask(self, n: int, total: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [1, 1, n, total] as transformers' eager masks are (0 seen, the dtype's min hidden): the
+        chunk's causal (and sliding-window) rule spelled out, since eager attention has no causal rule of its
+        own."""
+        key = ("eager", n, total, window, dtype)
+        if key not in self._masks:
+            seen = self.chunk_mask(n, total, window)
+            if seen is None:
+                ones = torch.ones(n, total, dtype=torch.bool, device=self.decode_rows.device)
+                seen = ones.tril(total - n)[None, None]
+            self._masks[key] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+                ~seen, torch.finfo(dtype).min)
+        return self._masks[key]
+
     def chunk_mask(self, n: int, total: int, window: int | None) -> torch.Tensor | None:
         """Boolean mask [1, 1, n, total] for a prefill chunk of n queries over `total` keys (its own n last), as
         HF's causal (and sliding-window) masks say; None where plain causal attention is exactly that."""
@@ -219,12 +233,8 @@ def packed_eager_attention(module, query, key, value, attention_mask, dropout: f
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     for i, (start, end) in enumerate(step.spans):
         k, v = key.tensors[i], value.tensors[i]
-        mask = step.chunk_mask(end - start, k.shape[-2], window)
-        if mask is None:  # eager attention has no causal rule of its own: it needs the causal mask spelled out
-            mask = torch.ones(end - start, k.shape[-2], dtype=torch.bool, device=query.device).tril()[None, None]
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~mask, torch.finfo(query.dtype).min)  # as transformers' eager masks are: 0 seen, min hidden
-        out[:, start:end], _ = eager(module, query[:, :, start:end], k, v, additive, dropout=dropout, scaling=scaling,
+        mask = step.eager_mask(end - start, k.shape[-2], window, query.dtype)
+        out[:, start:end], _ = eager(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
     return out, None
 
