@@ -88,7 +88,8 @@ class ServerState:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
-                                         prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel)
+                                         prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
+                                         int4_wide_copy=s.int4_wide_copy)
             if self.kind == "embedding":
                 await self._load_embedding(loader)
             else:
@@ -143,6 +144,11 @@ class ServerState:
                                          s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
                                          self.adapters)
         self.probe_prompt = self.lm.encode_text("Hello")
+        for name, nbytes in self.lm.weight_bytes.items():
+            self.metrics.weight_bytes.labels(format=name).set(nbytes)
+        if prefix_cache_bytes:
+            log.info("prefix cache: up to %.1f MiB of earlier prompts' KV, taken from the KV budget",
+                     prefix_cache_bytes / 2**20)
         await self._warm_up()
 
     @property
