@@ -36,9 +36,8 @@ Nothing of the loaded floats stays behind. transformers maps the checkpoint's fi
 while any tensor is such a view (a norm's weight, the embedding table) the file stays mapped, and every page that
 quantizing read counts in the server's RSS: 2,128 MiB of the 0.5B model's fp32 file with QUANT=int8 (here, on
 Zen 2). So after the swap every tensor left gets memory of its own (`keep_own_copies`) and the mapping closes.
-The input embedding table, which a step gathers a few rows from, is held once, in bf16 where the model runs in
-fp32 (`Bf16Embedding`): half of fp32's bytes, exact for a bf16 checkpoint (most are), else within bf16's rounding
-(2^-9 of each value), less than int8's error on the linears. A tied lm_head gets its own int8 copy first.
+The input embedding table is held once, as int8 rows (app/models/quant_embedding.py); a tied lm_head gets its own
+int8 copy first.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from torch.nn import functional as F
 
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
+from app.models.quant_embedding import Int8Embedding
 
 log = logging.getLogger("app.models.quant")
 
@@ -266,7 +266,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
     With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
     Then nothing of the loaded weights is kept (`keep_own_copies`) and the embedding table is held once
-    (`hold_embedding_in_bf16`).
+    (`quantize_embedding`).
 
     kernel: "auto" (dynamic where `dynamic_int8_supported`, else weight-only), "dynamic" or "weight_only".
     engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
@@ -304,7 +304,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     count = _swap_linears(model, make, lambda linear: True)  # every plain nn.Linear int4 left
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
-    hold_embedding_in_bf16(model)
+    quantize_embedding(model)
     keep_own_copies(model)
     return kernel
 
@@ -320,32 +320,11 @@ def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None) -> str:
     return "every call on it: no bf16 copy (INT4_WIDE_COPY=false)"
 
 
-class Bf16Embedding(nn.Module):
-    """The input embedding table in bf16, its rows gathered and then widened to the model's dtype.
-
-    The table is a buffer, not a parameter: transformers takes a model's dtype from its first floating parameter,
-    and the model still runs in `dtype`."""
-
-    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.padding_idx = (embedding.num_embeddings,
-                                                                      embedding.embedding_dim, embedding.padding_idx)
-        self.register_buffer("weight", embedding.weight.detach().to(torch.bfloat16))
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., embedding_dim] in self.dtype
-        return F.embedding(ids, self.weight, self.padding_idx).to(self.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, stored=bfloat16, served={self.dtype}"
-
-
-def hold_embedding_in_bf16(model: nn.Module) -> None:
-    """A quantized model's fp32 CPU embedding table: in bf16, half the bytes (see the module docstring)."""
+def quantize_embedding(model: nn.Module) -> None:
+    """The input embedding table (CPU, a plain float one) as int8 rows (app/models/quant_embedding.py)."""
     embedding = model.get_input_embeddings()
-    if (type(embedding) is nn.Embedding and embedding.weight.dtype == torch.float32
-            and embedding.weight.device.type == "cpu"):
-        model.set_input_embeddings(Bf16Embedding(embedding, embedding.weight.dtype))
+    if type(embedding) is nn.Embedding and embedding.weight.device.type == "cpu":
+        model.set_input_embeddings(Int8Embedding(embedding, embedding.weight.dtype))
 
 
 @torch.no_grad()
@@ -358,7 +337,7 @@ def keep_own_copies(model: nn.Module) -> None:
             if id(param) not in seen:  # a tied parameter: once
                 seen.add(id(param))
                 param.data = param.data.clone()
-        if not isinstance(module, (Int4Linear, WeightOnlyInt8Linear, Bf16Embedding)):
+        if not isinstance(module, (Int4Linear, WeightOnlyInt8Linear, Int8Embedding)):
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.clone()
 

@@ -36,7 +36,9 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
             out[key] += storage.nbytes()
 
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is not None:
+    if hasattr(embedding, "weight_bytes"):  # quantized (app/models/quant_embedding.py)
+        out["embeddings"] += embedding.weight_bytes
+    elif embedding is not None:
         add("embeddings", embedding.weight)
     for module in model.modules():
         if module is embedding:
