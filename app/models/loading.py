@@ -186,8 +186,9 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
                                  choice_key(name_or_path, torch_dtype))
     log.info("prepack %s", prepack_state)
-    weight_bytes = weight_bytes_by_format(model)
-    log.info("weights in memory: %s", describe(weight_bytes))
+    weight_bytes = {} if ranks is not None else weight_bytes_by_format(model)  # a rank's shards: not counted here
+    if weight_bytes:
+        log.info("weights in memory: %s", describe(weight_bytes))
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
