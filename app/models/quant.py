@@ -284,8 +284,8 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     four_bits = 0
     if mode == "int4":
         head, bf16 = model.get_output_embeddings(), cpu_features().native_bf16
-        copy = bool(wide_copy and bf16)
-        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=copy),
+        wide = bool(wide_copy and bf16)
+        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=wide),
                                   lambda linear: linear is not head and linear.in_features % INT4_GROUP == 0)
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
                  "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
