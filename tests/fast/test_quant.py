@@ -361,4 +361,7 @@ def test_load_model_with_quant_int4(tmp_path, tiny_tokenizer, monkeypatch):
     lm = load_model(str(tmp_path), "cpu", "auto", quant="int4")
     assert [type(m) for m in lm.model.modules()].count(Int4Linear) == LINEARS_IN_TINY - 1
     monkeypatch.setenv("QUANT", "int4")
-    assert Settings().quant == "int4"
+    assert Settings().quant == "int4" and Settings().int4_wide_copy is False  # the bf16 copy: opt-in
+    monkeypatch.setenv("INT4_WIDE_COPY", "true")
+    assert Settings().int4_wide_copy is True
+    assert lm.weight_bytes["copies"] == 0 and lm.weight_bytes["int4"] > 0
