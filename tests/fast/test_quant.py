@@ -319,6 +319,7 @@ def test_quantized_linears_hold_a_fraction_of_bf16s_bytes_on_every_cpu_class(pla
         assert isinstance(quantized.get_input_embeddings(), Int8Embedding)
 
 
+@pytest.mark.full
 @INT4
 def test_load_model_keeps_nothing_of_the_loaded_file(tiny_dir):
     """transformers maps the checkpoint and hands out views of it; a view left after quantizing kept the whole file
