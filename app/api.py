@@ -228,6 +228,8 @@ async def list_models(state: State) -> dict:
             model["dimensions"] = lm.dimensions
     elif lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
+    if lm and getattr(lm, "weight_bytes", None):  # by format (app/models/weight_memory.py)
+        model["weight_bytes"] = {"total": sum(lm.weight_bytes.values()), **lm.weight_bytes}
     return {"object": "list", "data": [model, *adapter_models(state.adapters, state.settings.model_id)]}
 
 

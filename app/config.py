@@ -56,9 +56,13 @@ class Settings(BaseSettings):
                                  "linears' size again in RAM); auto: where it can, true: fail at start where it cannot")
     quant: Literal["none", "int8", "int4"] = Field("none", description="int8: every linear reads int8 weights "
                                                    "(faster, not exact; quality measured by `bench quality`); int4: "
-                                                   "the decoder's linears read 4 bits in groups of 32 (on a CPU with "
-                                                   "native bf16, calls of over 4 rows read a bf16 copy of them), "
-                                                   "the lm_head int8")
+                                                   "the decoder's linears read 4 bits in groups of 32, the lm_head "
+                                                   "int8. Either holds the embedding table as int8 rows and nothing "
+                                                   "of the loaded floats")
+    int4_wide_copy: bool = Field(False, description="QUANT=int4 on a CPU with native bf16 (AVX512_BF16, AMX): "
+                                 "calls of over 4 rows (prefill chunks, many streams) multiply a bf16 copy of the "
+                                 "4-bit weights, faster there but 2 bytes a weight more memory, more than bf16's "
+                                 "own total (the start log gives its bytes); off: every call on the int4 kernel")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
                                 "keys, comma-separated, are several tenants")
     prefix_cache_per_key: bool = Field(True, description="each API key reuses only prefix-cache entries made under "

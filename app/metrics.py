@@ -58,6 +58,10 @@ class Metrics:
         self.deadlines_exceeded = Counter(f"{PREFIX}_deadlines_exceeded", "requests ended by a deadline, by stage: "
                                           "queue (never started, 503), run (ended mid-generation, finish reason "
                                           "timeout)", ["stage"], registry=r)
+        self.weight_bytes = Gauge(f"{PREFIX}_weight_bytes", "bytes of the model's weights in memory, by format: "
+                                  "the linears' fp32, bf16, fp16, int8, int4; the input embeddings; copies (a bf16 "
+                                  "copy of int4 weights, PREPACK's fp32 copies); other (norms, biases)", ["format"],
+                                  registry=r)
         self.kv_cache_budget = Gauge(f"{PREFIX}_kv_cache_budget_bytes", "KV cache bytes the engine may hold "
                                      "(KV_CACHE_BYTES)", registry=r)
         self.kv_cache_reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV cache bytes reserved by admitted "

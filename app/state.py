@@ -94,7 +94,8 @@ class ServerState:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
-                                         prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel)
+                                         prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
+                                         int4_wide_copy=s.int4_wide_copy)
             if self.kind == "embedding":
                 await self._load_embedding(loader)
             else:
@@ -154,6 +155,11 @@ class ServerState:
         self.serving.tool_markers = tool_markers(self.lm.tokenizer, self.serving.tool_format)
         log.info("tool calls: %s (%s)", self.serving.tool_format or "not served", why)
         self.probe_prompt = self.lm.encode_text("Hello")
+        for name, nbytes in self.lm.weight_bytes.items():
+            self.metrics.weight_bytes.labels(format=name).set(nbytes)
+        if prefix_cache_bytes:
+            log.info("prefix cache: up to %.1f MiB of earlier prompts' KV, taken from the KV budget",
+                     prefix_cache_bytes / 2**20)
         await self._warm_up()
 
     @property

@@ -21,6 +21,8 @@ COMMANDS = {  # command -> (module under benchmarks/, help)
     "tools": ("tools", "tool-call parsing: total and worst per token"),
     "embed": ("embed", "embeddings/s: our server against sentence-transformers' encode, batch 1 and 32"),
     "lora": ("lora", "a LoRA adapter against the base model: tokens/s at 1 and 8 streams, mixed batches too"),
+    "scaling": ("scaling", "Qwen2.5 0.5B-7B shapes (random weights): ours at the defaults, int8 and int4 against "
+                           "llama.cpp's Q4_K_M and Q8_0: tokens/s, TTFT, long-context decode, resident memory"),
     "kernels": ("kernels", "one linear layer in each weight format (fp32, bf16, int8, int4): ms and error"),
     "step": ("step", "one decode step: eager against DECODE_STEP=compiled"),
     "batch": ("batch", "interactive first token and tokens/s alone and while a batch runs (Batches API)"),

@@ -8,9 +8,11 @@ Three rules, all from CPU features only, so the same machine and settings load t
   (docs/performance.md), so there is no row count at which fp32 would be the better default.
 - oneDNN's bf16 weight reorder (prepacking) needs AVX512BW+VL+DQ or AVX-NE-CONVERT; torch raises without them. Its
   fp32 reorder (a copy for batched rows, app/models/batch_rows.py) runs wherever oneDNN does.
-- int8 (`int8_engine`): oneDNN's engine where the CPU has AMX-INT8, since fbgemm has no AMX kernels and torch's `x86`
-  engine sends linears to fbgemm (pytorch/tutorials#2439); fbgemm (AVX512-VNNI or AVX2) everywhere else, where it
-  measured faster than oneDNN at decode sizes (Zen 5, AVX512-VNNI: 0.016 against 0.026 ms for one 896x896 row).
+- int8 (`int8_engine`): fbgemm (AVX512-VNNI or AVX2) wherever torch has it. It measured faster than oneDNN at
+  decode sizes (Zen 5, AVX512-VNNI: 0.016 against 0.026 ms for one 896x896 row), and its packed weight is all it
+  holds, where torch's oneDNN packed weight keeps the int8 original beside it: 2 bytes a weight, bf16's, which is
+  the memory QUANT=int8 exists to save. So an AMX CPU gets fbgemm too (AMX-INT8 unused: fbgemm has no AMX kernels,
+  pytorch/tutorials#2439); oneDNN only where torch has no fbgemm.
 
 The flags are read as torch will use them: `ATEN_CPU_CAPABILITY=avx2` hides AVX-512 from ATen's kernels, and
 `ONEDNN_MAX_CPU_ISA=AVX2` caps oneDNN. We honour both, so an AVX2-only machine can be emulated on any x86 CPU
@@ -107,12 +109,14 @@ def int8_engine(features: CpuFeatures | None = None,
     engines = tuple(torch.backends.quantized.supported_engines if engines is None else engines)
     if cpu.aten_capability == "DEFAULT":
         return None, f"cpu {cpu.describe()} has no AVX2, which fbgemm and oneDNN's int8 kernels need"
-    if "amx_int8" in cpu.flags and "onednn" in engines:
-        return "onednn", f"cpu {cpu.describe()} has AMX-INT8, which oneDNN uses and fbgemm does not"
     vnni = "AVX512-VNNI" if "avx512_vnni" in cpu.flags else "AVX2"
     for engine in ("x86", "fbgemm"):  # x86 runs linears on fbgemm, and is what torch picks by default
         if engine in engines:
-            return engine, f"fbgemm's {vnni} kernels (cpu {cpu.describe()})"
+            amx = ("; not oneDNN's AMX-INT8, whose packed weights keep their int8 original too (2 bytes a weight)"
+                   if "amx_int8" in cpu.flags else "")
+            return engine, f"fbgemm's {vnni} kernels (cpu {cpu.describe()}){amx}"
+    if "amx_int8" in cpu.flags and "onednn" in engines:
+        return "onednn", f"cpu {cpu.describe()} has AMX-INT8, which oneDNN uses, and this torch has no fbgemm"
     # Without fbgemm (a torch for another architecture) dynamic int8 stays off, as before: oneDNN's int8 is only
     # chosen where it has kernels fbgemm lacks.
     return None, f"this torch build has no fbgemm engine (it has {', '.join(engines) or 'none'})"

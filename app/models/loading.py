@@ -31,6 +31,7 @@ from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_di
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
 from app.models.quant import dynamic_int8_supported, quantize_linears
+from app.models.weight_memory import describe, weight_bytes_by_format
 
 log = logging.getLogger("app.models.loading")
 
@@ -55,6 +56,7 @@ class LoadedModel:
     dtype_reason: str = "chosen by the caller"  # why these weights have their dtype (dtype=auto explains itself)
     prepack: str = "off: not loaded by load_model"  # "on: N linear layers[, why and the figures]" or "off: why"
     ranks: Any = None  # tensor parallel: this shard's app.models.distributed.Ranks (None: the whole model here)
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # by format (app/models/weight_memory.py)
     kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
     @property
@@ -132,7 +134,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
-               tensor_parallel: int = 1) -> LoadedModel | PoolingModel | CrossEncoderModel:
+               tensor_parallel: int = 1, int4_wide_copy: bool = False) -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -181,12 +183,15 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
     elif quant != "none":
-        quantize_linears(model, quant)  # every linear, lm_head included; nothing is left for prepack below
+        quantize_linears(model, quant, wide_copy=int4_wide_copy)  # every linear, lm_head included: none to prepack
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
                                  choice_key(name_or_path, torch_dtype))
     log.info("prepack %s", prepack_state)
+    weight_bytes = {} if ranks is not None else weight_bytes_by_format(model)  # a rank's shards: not counted here
+    if weight_bytes:
+        log.info("weights in memory: %s", describe(weight_bytes))
     defaults = _generation_defaults(model, source)
     eos = defaults.pop("eos_token_id", None)
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
@@ -197,7 +202,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {model_len}", param="max_model_len")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
-                       prepack=prepack_state, ranks=ranks)
+                       prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes)
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,

@@ -222,8 +222,9 @@ def measure_packing(model: nn.Module, reps: int = MEASURE_REPS) -> list[PackTimi
 def decode_bytes_per_step(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every weight once, except the input embedding table (one row)."""
     sizes: dict[int, int] = {}
+    table = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Embedding) or module is table:  # a quantized table too (app/models/quant_embedding.py)
             continue
         for p in module.parameters(recurse=False):
             sizes[id(p)] = p.numel() * p.element_size()  # by id: a tied lm_head counts once, as the Linear it is

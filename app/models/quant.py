@@ -15,12 +15,13 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
 `QUANT=int4`: the decoder's linear layers read 4-bit weights, group-wise affine (group INT4_GROUP), on
 `aten._weight_int4pack_mm_for_cpu`, whose kernel follows ATen's CPU capability (AVX2, AVX-512) by itself; the
 activations go in as bf16, its fast path (fp32 ones measured 20x slower). That kernel reads the weights again for
-every row, so where the CPU multiplies bf16 natively (AVX512_BF16, AMX) only calls of up to Int4Linear.DECODE_ROWS
-rows use it, and wider calls (prefill chunks, many streams) multiply a bf16 copy of the same 4-bit weights,
-prepacked for oneDNN: on an AMX Xeon that took the first token from 508 to 159 ms and 8 streams from 54 to 95 tok/s
-(docs/performance.md). A dynamic int8 copy was about as fast, but took perplexity further from fp32 than int8 itself
-(8-bit activations on 4-bit weights). The lm_head stays int8: torch's int4 kernel took 9.7 ms on its 151,936 x 896
-weight for one row, dynamic int8 6.1 ms (Zen 3).
+every row, so on an AMX Xeon a bf16 copy of the same 4-bit weights for calls of more than Int4Linear.DECODE_ROWS rows
+took the first token from 508 to 159 ms and 8 streams from 54 to 95 tok/s (docs/performance.md). But the copy holds 2
+bytes a weight beside the 4-bit ones: int4 then held more than bf16 itself (a Zen 4's RSS: 3,533 MiB against the
+defaults' 1,827), which is the memory a user picks int4 to save. So the copy is opt-in (INT4_WIDE_COPY, off by
+default; the start log states its bytes) and only where the CPU multiplies bf16 natively (AVX512_BF16, AMX).
+The lm_head stays int8: torch's int4 kernel took 9.7 ms on its 151,936 x 896 weight for one row, dynamic int8 6.1
+ms (Zen 3).
 Where the kernel is missing (CUDA here, a torch without it) the model gets int8 instead, and the log says so.
 Each group's smallest and largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block
 that uses both ends (SmolLM2's Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The
@@ -30,6 +31,13 @@ None is exact. The embedded models' weights were dequantized from 4-bit GGUF, so
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
 top. `python -m benchmarks quality` measures both effects (perplexity on a fixed text and greedy agreement with the
 unquantized model) and docs/performance.md lists the figures.
+
+Nothing of the loaded floats stays behind. transformers maps the checkpoint's file and hands out views of it, so
+while any tensor is such a view (a norm's weight, the embedding table) the file stays mapped, and every page that
+quantizing read counts in the server's RSS: 2,128 MiB of the 0.5B model's fp32 file with QUANT=int8 (here, on
+Zen 2). So after the swap every tensor left gets memory of its own (`keep_own_copies`) and the mapping closes.
+The input embedding table is held once, as int8 rows (app/models/quant_embedding.py); a tied lm_head gets its own
+int8 copy first.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from torch.nn import functional as F
 
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
+from app.models.quant_embedding import Int8Embedding
 
 log = logging.getLogger("app.models.quant")
 
@@ -131,11 +140,11 @@ class Int4Linear(nn.Module):
     """Drop-in `nn.Linear` (CPU): 4-bit weights in groups of `group` inputs, packed for aten's int4 CPU kernel.
 
     That kernel reads the weights again for every row: its time grows with the rows (AMX Xeon, one 4864 x 896
-    layer: 0.11 ms at 1 row, 0.41 at 8, 6.3 at 128, where bf16 took 0.32, 0.35 and 0.66). So with `wide_bf16`,
-    calls of more than DECODE_ROWS rows (prefill chunks, decode steps of many streams) multiply `wide`: the same
-    4-bit weights, dequantized once to bf16 (and prepacked for oneDNN where it can), on the CPU's native bf16 matmul.
-    Both paths compute bf16 activations times the same weights. The copy costs 2 bytes a weight of memory; a decode
-    step of a few streams never reads it.
+    layer: 0.11 ms at 1 row, 0.41 at 8, 6.3 at 128, where bf16 took 0.32, 0.35 and 0.66). With `wide_bf16`
+    (INT4_WIDE_COPY), calls of more than DECODE_ROWS rows (prefill chunks, decode steps of many streams) multiply
+    `wide`: the same 4-bit weights, dequantized once to bf16 (and prepacked for oneDNN where it can), on the CPU's
+    native bf16 matmul. Both paths compute bf16 activations times the same weights. The copy costs 2 bytes a
+    weight (`copy_bytes`), four times the 4-bit weights; a decode step of a few streams never reads it.
     """
 
     # At most this many rows go to the int4 kernel. On the AMX Xeon a lone layer ran faster on the prepacked copy from
@@ -154,12 +163,14 @@ class Int4Linear(nn.Module):
         self.weight_bytes = self.packed.numel() * self.packed.element_size() + scales_and_zeros.numel() * 2
         # Not a parameter or buffer: app/models/prepack.py decode_bytes_per_step leaves it out, as a step does.
         self.wide: torch.Tensor | None = None
+        self.copy_bytes = 0
         if wide_bf16:  # what the kernel computes, (code - 8) x scale + zero, with its bf16 scales and zeros
             scale, zero = scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, dim=1).unbind(-1)
             self.wide = ((codes - 8) * scale + zero).to(torch.bfloat16)
             if cpu_features().bf16_reorder:  # oneDNN's blocked layout, as PREPACK does: 1.1-2.3x at 8-128 rows here
                 with contextlib.suppress(RuntimeError):  # oneDNN refused: the copy stays plain (app/models/prepack.py)
                     self.wide, self.wide_packed = torch.ops.mkldnn._reorder_linear_weight(self.wide, 1), True
+            self.copy_bytes = self.in_features * self.out_features * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in], any float dtype -> the same dtype
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -209,6 +220,9 @@ class DynamicInt8Linear(nn.Module):
         self.reduce_range = not vnni
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.weight_bytes = weight.numel() + scales.numel() * 4
+        # torch's oneDNN packed weight keeps the int8 original beside its packed copy (for unpack): 2 bytes a weight
+        # (measured: 129 MiB of RSS for 64 MiB of int8 weights; fbgemm's 64), which is why fbgemm is the default.
+        self.copy_bytes = weight.numel() if self.engine == "onednn" else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
         reduce_range = self.reduce_range
@@ -247,12 +261,17 @@ def _dynamic_linear(linear: nn.Linear, engine: str) -> DynamicInt8Linear:
         raise
 
 
-def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto") -> str:
+def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto",
+                     wide_copy: bool = False) -> str:
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
     With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
+    Then nothing of the loaded weights is kept (`keep_own_copies`) and the embedding table is held once
+    (`quantize_embedding`).
 
     kernel: "auto" (dynamic where `dynamic_int8_supported`, else weight-only), "dynamic" or "weight_only".
     engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
+    wide_copy (int4, INT4_WIDE_COPY): a bf16 copy of the 4-bit weights for calls of many rows, where the CPU
+    multiplies bf16 natively.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
@@ -265,13 +284,12 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     four_bits = 0
     if mode == "int4":
         head, bf16 = model.get_output_embeddings(), cpu_features().native_bf16
-        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=bf16 is not None),
+        wide = bool(wide_copy and bf16)
+        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=wide),
                                   lambda linear: linear is not head and linear.in_features % INT4_GROUP == 0)
-        wider = (f"calls of more than {Int4Linear.DECODE_ROWS} rows on a bf16 copy of the same weights ({bf16})"
-                 if bf16 else "every call on it: no native bf16 matmul here for a copy")
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
                  "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
-                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(), wider)
+                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(), _wide_copy_note(model, wide_copy, bf16))
     if kernel == "auto":
         kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
     why = "weight-only"
@@ -286,7 +304,42 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     count = _swap_linears(model, make, lambda linear: True)  # every plain nn.Linear int4 left
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
+    quantize_embedding(model)
+    keep_own_copies(model)
     return kernel
+
+
+def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None) -> str:
+    """What the start log says of INT4_WIDE_COPY: what it costs where it is on, why not where it is off."""
+    copies = sum(m.copy_bytes for m in model.modules() if isinstance(m, Int4Linear))
+    if copies:
+        return (f"INT4_WIDE_COPY: calls of more than {Int4Linear.DECODE_ROWS} rows on a bf16 copy of the same "
+                f"weights ({bf16}), {copies / 2**20:,.1f} MiB more memory")
+    if asked:
+        return "INT4_WIDE_COPY asked for, but no native bf16 matmul here for a copy: every call on the int4 kernel"
+    return "every call on it: no bf16 copy (INT4_WIDE_COPY=false)"
+
+
+def quantize_embedding(model: nn.Module) -> None:
+    """The input embedding table (CPU, a plain float one) as int8 rows (app/models/quant_embedding.py)."""
+    embedding = model.get_input_embeddings()
+    if type(embedding) is nn.Embedding and embedding.weight.device.type == "cpu":
+        model.set_input_embeddings(Int8Embedding(embedding, embedding.weight.dtype))
+
+
+@torch.no_grad()
+def keep_own_copies(model: nn.Module) -> None:
+    """Every parameter and buffer in memory of its own, so that no view of the checkpoint's mapped file outlives
+    loading (the module docstring). A quantized layer's bias is still the loaded one; its other tensors are new."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:  # a tied parameter: once
+                seen.add(id(param))
+                param.data = param.data.clone()
+        if not isinstance(module, (Int4Linear, WeightOnlyInt8Linear, Int8Embedding)):
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.clone()
 
 
 def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], wanted: Callable[[nn.Linear], bool]) -> int:

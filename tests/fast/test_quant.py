@@ -10,6 +10,7 @@ agree at >= 90% of positions (measured 47 of 48, for each kernel). The real mode
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,14 +21,17 @@ from app.core.generate import generate
 from app.core.sampling import SamplingParams
 from app.models.loading import load_model
 from app.models.prepack import decode_bytes_per_step
-from app.models.quant import (INT4_GROUP, DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear, dynamic_int8_supported,
-                              int4_kernel_missing, int4_weight, quantize_linears)
+from app.models.quant import (INT4_GROUP, DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear,
+                              dynamic_int8_supported, int4_kernel_missing, int4_weight, quantize_linears)
+from app.models.quant_embedding import Int8Embedding
+from app.models.weight_memory import weight_bytes_by_format
 
 from conftest import build_tiny_model
 
 PROMPTS = ["Which city is the capital of France?", "北京是中国的首都。请介绍一下北京。", "def reverse(s):"]
 KERNELS = ["weight_only"] + (["dynamic"] if dynamic_int8_supported(torch.device("cpu"), torch.float32) else [])
 LINEARS_IN_TINY = 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
+INT4 = pytest.mark.skipif(int4_kernel_missing(torch.device("cpu")) is not None, reason="no int4 CPU kernel in this torch")
 
 
 def greedy(model, tokenizer, ids, n=16):
@@ -87,6 +91,8 @@ def test_weight_only_int8_runs_bf16_activations(plain, tiny_tokenizer):
 
 
 def test_tied_lm_head_is_untied_and_the_embedding_table_kept(tiny_tokenizer):
+    """The lm_head gets its own int8 weights; the table it shared is held once, as int8 rows with a scale each,
+    and a gathered row comes back in fp32 within half a step of its row's grid."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -94,8 +100,15 @@ def test_tied_lm_head_is_untied_and_the_embedding_table_kept(tiny_tokenizer):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     table = model.get_input_embeddings().weight.detach().clone()
     quantize_linears(model, "int8", "weight_only")
-    assert torch.equal(model.get_input_embeddings().weight, table)
-    assert isinstance(model.lm_head, WeightOnlyInt8Linear)
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, Int8Embedding) and isinstance(model.lm_head, WeightOnlyInt8Linear)
+    ids = torch.tensor([[1, 5, 9]])
+    rows = embedding(ids)
+    step = table.abs().amax(dim=1, keepdim=True) / 127
+    assert rows.dtype == torch.float32 and bool(((rows - table[ids]).abs() <= step[ids] / 2 + 1e-7).all())
+    assert model.dtype == torch.float32  # the model still runs in fp32: its first float parameter is a norm's
+    vocab, dim = table.shape
+    assert weight_bytes_by_format(model)["embeddings"] == vocab * dim + 4 * vocab  # once, int8 and a scale per row
 
 
 def test_bytes_per_step_count_int8_weights(plain):
@@ -175,8 +188,6 @@ def test_a_weight_onednn_refuses_runs_on_fbgemm(plain, monkeypatch, caplog):
         assert relative_error(layer(x), linear(x)) < 0.03
 
 
-INT4 = pytest.mark.skipif(int4_kernel_missing(torch.device("cpu")) is not None, reason="no int4 CPU kernel in this torch")
-
 
 @INT4
 def test_int4_decoder_linears_read_4_bits_and_logits_stay_close(plain, tiny_tokenizer, caplog):
@@ -248,23 +259,80 @@ def test_int4_wide_calls_multiply_the_same_4_bit_weights_in_bf16():
         assert relative_error(wide, linear(x)) > 10 * relative_error(wide, one_row_at_a_time)  # the 4-bit layer
 
 
+def as_cpu_class(monkeypatch, cpu_class: str):
+    """Decide as a CPU with this class's /proc/cpuinfo flags would (tests/cpu_flags.py)."""
+    import cpu_flags
+    from app.models import cpu, quant
+
+    features = cpu.features_from_cpuinfo(getattr(cpu_flags, f"{cpu_class}_FLAGS"), cpu_class)
+    monkeypatch.setattr(quant, "cpu_features", lambda: features)
+    monkeypatch.setattr(quant, "int8_engine", lambda: cpu.int8_engine(features))
+    return features
+
+
+@pytest.mark.parametrize("wide_copy", [False, True])
 @pytest.mark.parametrize("cpu_class", ["SAPPHIRE_RAPIDS", "ZEN3"])
 @INT4
-def test_int4_wide_calls_on_bf16_only_where_the_cpu_multiplies_bf16_natively(plain, monkeypatch, caplog, cpu_class):
-    import cpu_flags
-    from app.models import quant
-    from app.models.cpu import features_from_cpuinfo
-
-    features = features_from_cpuinfo(getattr(cpu_flags, f"{cpu_class}_FLAGS"))
-    monkeypatch.setattr(quant, "cpu_features", lambda: features)
+def test_int4_wide_calls_on_bf16_only_when_asked_and_where_the_cpu_multiplies_bf16_natively(
+        plain, monkeypatch, caplog, cpu_class, wide_copy):
+    as_cpu_class(monkeypatch, cpu_class)
     quantized = copy.deepcopy(plain)
     with caplog.at_level("INFO", logger="app.models.quant"):
-        quantize_linears(quantized, "int4")
+        quantize_linears(quantized, "int4", wide_copy=wide_copy)
     wide = {m.wide is not None for m in quantized.modules() if isinstance(m, Int4Linear)}
-    if cpu_class == "SAPPHIRE_RAPIDS":  # AVX512_BF16 and AMX-BF16
-        assert wide == {True} and "rows on a bf16 copy of the same weights (AVX512_BF16 and AMX-BF16)" in caplog.text
+    copies = weight_bytes_by_format(quantized)["copies"]
+    if cpu_class == "SAPPHIRE_RAPIDS" and wide_copy:  # AVX512_BF16 and AMX-BF16
+        assert wide == {True} and copies == sum(2 * m.in_features * m.out_features
+                                                for m in quantized.modules() if isinstance(m, Int4Linear))
+        assert (f"INT4_WIDE_COPY: calls of more than 4 rows on a bf16 copy of the same weights (AVX512_BF16 and "
+                f"AMX-BF16), {copies / 2**20:,.1f} MiB more memory") in caplog.text
     else:
-        assert wide == {False} and "every call on it: no native bf16 matmul here for a copy" in caplog.text
+        assert wide == {False} and copies == 0
+        assert ("no native bf16 matmul here for a copy" if wide_copy else "no bf16 copy (INT4_WIDE_COPY=false)") \
+            in caplog.text
+
+
+@pytest.mark.parametrize("cpu_class", ["SAPPHIRE_RAPIDS", "ZEN4", "ZEN3"])
+@INT4
+def test_quantized_linears_hold_a_fraction_of_bf16s_bytes_on_every_cpu_class(plain, monkeypatch, cpu_class):
+    """What the memory goal rests on, as each CPU class would choose (its int8 engine, whether int4 may keep a
+    copy): the quantized linears' bytes, copies included, against the same linears in bf16. int4: 4 bits and a bf16
+    scale and zero per 32 weights, 0.3125x (the lm_head's int8 apart); int8: 1 byte and an fp32 scale per row."""
+    as_cpu_class(monkeypatch, cpu_class)
+    bf16_bytes = {name: 2 * m.weight.numel() for name, m in plain.named_modules() if isinstance(m, nn.Linear)}
+    for mode, bound in (("int4", 0.35), ("int8", 0.55)):
+        quantized = copy.deepcopy(plain)
+        quantize_linears(quantized, mode)
+        layers = {name: m for name, m in quantized.named_modules() if name in bf16_bytes}
+        by_kind = {Int4Linear: 0, DynamicInt8Linear: 0, WeightOnlyInt8Linear: 0}
+        for name, m in layers.items():
+            by_kind[type(m)] += m.weight_bytes + getattr(m, "copy_bytes", 0)
+        if mode == "int4":
+            four_bit = sum(bf16_bytes[n] for n, m in layers.items() if isinstance(m, Int4Linear))
+            assert by_kind[Int4Linear] <= bound * four_bit
+        else:
+            assert sum(by_kind.values()) <= bound * sum(bf16_bytes.values())
+        held = weight_bytes_by_format(quantized)
+        assert held["copies"] == 0 and held["fp32"] == held["bf16"] == 0  # no float linear, no copy
+        table = 2 * plain.get_input_embeddings().weight.numel()  # in bf16
+        assert held["embeddings"] <= 0.55 * table  # int8 rows and a scale each
+        assert isinstance(quantized.get_input_embeddings(), Int8Embedding)
+
+
+@pytest.mark.full
+@INT4
+def test_load_model_keeps_nothing_of_the_loaded_file(tiny_dir):
+    """transformers maps the checkpoint and hands out views of it; a view left after quantizing kept the whole file
+    mapped, and every page quantizing read counted in the server's RSS (2,128 MiB of the 0.5B model's fp32 file)."""
+    import gc
+
+    for quant in ("int8", "int4"):
+        lm = load_model(str(tiny_dir), "cpu", "auto", quant=quant)
+        gc.collect()
+        maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").is_file() else ""
+        assert str(tiny_dir / "model.safetensors") not in maps, f"QUANT={quant}: the checkpoint is still mapped"
+        assert lm.weight_bytes["fp32"] == lm.weight_bytes["bf16"] == 0 and lm.weight_bytes[quant] > 0
+        del lm
 
 
 @INT4
@@ -294,4 +362,7 @@ def test_load_model_with_quant_int4(tmp_path, tiny_tokenizer, monkeypatch):
     lm = load_model(str(tmp_path), "cpu", "auto", quant="int4")
     assert [type(m) for m in lm.model.modules()].count(Int4Linear) == LINEARS_IN_TINY - 1
     monkeypatch.setenv("QUANT", "int4")
-    assert Settings().quant == "int4"
+    assert Settings().quant == "int4" and Settings().int4_wide_copy is False  # the bf16 copy: opt-in
+    monkeypatch.setenv("INT4_WIDE_COPY", "true")
+    assert Settings().int4_wide_copy is True
+    assert lm.weight_bytes["copies"] == 0 and lm.weight_bytes["int4"] > 0

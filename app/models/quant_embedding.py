@@ -1,0 +1,39 @@
+"""QUANT=int8 and QUANT=int4: the input embedding table as int8 rows with a scale each, dequantized on gather.
+
+Why: a step gathers a few rows of the table, so its format costs no speed, but the table is large: a fifth of
+Qwen2.5-0.5B's weights, and once the linears were quantized the largest thing the server held (in bf16, 272 MB of
+the int4 server's 633 MB of weights on the embedded 0.5B model; docs/performance.md "Memory"). So it is int8 with
+one fp32 scale per row, as QUANT=int8's linears are: each value within half a step of its row's grid. Not 4 bits
+with QUANT=int4: on the tiny test model a 4-bit table took greedy agreement with the unquantized model from 42 to
+38 of 48 tokens, and its cost on real models is not measured. A row comes back in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+class Int8Embedding(nn.Module):
+    """The table as int8 [vocab, dim] with an fp32 scale per row. Buffers, not parameters: transformers takes a
+    model's dtype from its first floating parameter, and the model still runs in `dtype`."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = embedding.num_embeddings, embedding.embedding_dim, dtype
+        codes, scales = _per_row_int8(embedding.weight)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.weight_bytes = codes.numel() + scales.numel() * 4
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., dim] in self.dtype
+        return (self.codes[ids].float() * self.scales[ids].unsqueeze(-1)).to(self.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self(torch.arange(self.num_embeddings))

@@ -1,0 +1,69 @@
+"""`python -m benchmarks scaling` end to end on a tiny shape, without llama.cpp: it writes the random-weight
+checkpoint, serves it at the defaults, QUANT=int8 and QUANT=int4 one server at a time, and records each one's
+tokens/s, idle TTFT, long-context decode and resident memory, with the weight bytes the server reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from app.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
+
+
+def bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k.upper() not in SETTINGS_ENV}  # no stray PORT, MODEL, ...
+    return subprocess.run([sys.executable, "-m", "benchmarks", "scaling", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=900, env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.server
+def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path, tiny_tokenizer):
+    tokenizer = tmp_path / "tokenizer"
+    tiny_tokenizer.save_pretrained(tokenizer)
+    out = tmp_path / "scaling.json"
+    done = bench("--sizes", "tiny", "--servers", "ours,ours-int8,ours-int4", "--tokenizer", str(tokenizer),
+                 "--work-dir", str(tmp_path / "work"), "--streams", "1,2", "--requests", "2", "--max-tokens", "6",
+                 "--prompt-len", "20", "--prompt-lens", "16,160", "--ttft-requests", "1", "--long-context", "240",
+                 "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["bench"] == "scaling" and report["machine"]["cores"] >= 1
+    tiny = report["sizes"]["tiny"]
+    assert tiny["shape"]["hidden_size"] == 64 and tiny["parameters"] > 0
+    formats = {"ours": "fp32", "ours-int8": "int8", "ours-int4": "int4"}
+    for name, r in tiny["servers"].items():
+        for scenario, requests in (("1 streams", 2), ("2 streams", 2), ("idle TTFT at 16 tokens", 1),
+                                   ("idle TTFT at 160 tokens", 1), ("decode at 240 tokens of context", 1)):
+            assert r[scenario]["requests"] == {"total": requests, "succeeded": requests, "failed": 0}, (name, scenario)
+        assert r["1 streams"]["tokens_per_s"] > 0 and r["decode at 240 tokens of context"]["tokens_per_s"] > 0
+        assert r["idle TTFT at 160 tokens"]["prompt_tokens"] > r["idle TTFT at 16 tokens"]["prompt_tokens"]
+        memory = r["memory_after_first_request"]
+        assert memory["rss"] >= memory["anon"] > 0 and memory["file"] >= 0
+        assert r["memory_at_end"]["peak"] >= r["memory_at_end"]["rss"] > 0
+        assert r["weight_bytes"][formats[name]] > 0, (name, r["weight_bytes"])
+    quantized = tiny["servers"]["ours-int4"]["weight_bytes"]
+    assert quantized["total"] < tiny["servers"]["ours"]["weight_bytes"]["total"]
+    assert "ours-int4" in done.stdout and "RSS MiB" in done.stdout
+
+
+def test_llamacpp_gets_room_for_the_longest_context_and_bad_sizes_are_named(tmp_path):
+    from benchmarks import scaling
+
+    args = Namespace(long_context=4096, prompt_lens="128,2048", max_tokens=64)
+    command = scaling.server_command("llama.cpp-Q4_K_M", tmp_path, tmp_path / "m.gguf", tmp_path / "llama-server",
+                                     8001, args, [1, 8])
+    slots, context = int(command[command.index("-np") + 1]), int(command[command.index("-c") + 1])
+    assert slots == 8 and context // slots >= 4096 + 64
+    ours = scaling.server_command("ours-int4", tmp_path, None, None, 8001, args, [1, 8])
+    assert ours[ours.index("--quant") + 1] == "int4" and ours[ours.index("--dtype") + 1] == "auto"
+    with pytest.raises(SystemExit, match="--sizes: unknown 13B"):
+        scaling.parse_list("0.5B,13B", scaling.SHAPES, "--sizes")
