@@ -18,8 +18,8 @@ from app.flags import add_settings_flags, settings_from
 from app.models.distributed import launched_rank
 
 # the settings `python -m app batch` takes as flags (env vars set the rest, as for `serve`)
-BATCH_FLAGS = ("model", "served_model_name", "device", "dtype", "prepack", "quant", "max_active", "max_model_len", "default_max_tokens",
-               "batch_max_lines")
+BATCH_FLAGS = ("model", "served_model_name", "device", "dtype", "prepack", "quant", "max_active", "max_model_len",
+               "default_max_tokens", "batch_max_lines")
 
 
 def main(argv: list[str] | None = None) -> int:
