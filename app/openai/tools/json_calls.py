@@ -4,10 +4,9 @@ This is the format of templates that show tools but name no tag, and a habit of 
 
 from __future__ import annotations
 
-import json
 import re
 
-from app.openai.tools.base import ToolCallDelta, ToolCallParser, call_from_json, loads_model_json
+from app.openai.tools.base import ToolCallDelta, ToolCallParser, json_list_calls
 
 FENCE_RE = re.compile(r"^```(?:json)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
 
@@ -17,13 +16,7 @@ def json_habit_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, s
     text = text.strip()
     if fence := FENCE_RE.match(text):
         text = fence.group(1).strip()
-    try:
-        obj = loads_model_json(text)
-    except ValueError:
-        return None
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [call_from_json(item, tool_names) for item in items]
-    return calls if calls and all(calls) else None
+    return json_list_calls(text, tool_names)
 
 
 # A fence that has not shown its first value after this many characters is taken for text: the answer's start is
