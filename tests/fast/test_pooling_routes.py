@@ -46,7 +46,7 @@ def reranker_server(tmp_path_factory):
 
 
 def post(server, path: str, headers: dict | None = None, **body) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=180)
 
 
 def metrics(server) -> dict[str, float]:
@@ -65,7 +65,7 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
     def embed(rows):
         if not gate.is_set():
             entered.set()
-            gate.wait(30)
+            gate.wait(120)  # released once the others queue; a loaded machine may take a while
         return real(rows)
 
     lm.embed = embed
@@ -76,14 +76,14 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
         thread = threading.Thread(target=lambda: box.setdefault("r", post(server, path, headers, **body)))
         thread.start()
         threads.append(thread)
-        return lambda: (thread.join(60), box["r"])[1]
+        return lambda: (thread.join(180), box["r"])[1]
 
     try:
         send("/v1/score" if lm.scores_pairs else "/v1/embeddings",
              **({"text_1": "a", "text_2": "b"} if lm.scores_pairs else {"input": "blocker"}))
-        assert entered.wait(30), "the blocker's pass never started"
+        assert entered.wait(60), "the blocker's pass never started"
         yield send
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while engine.in_flight < 1 + queued and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.in_flight == 1 + queued, f"{engine.in_flight} in flight, expected {1 + queued}"
@@ -91,7 +91,7 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
     finally:
         gate.set()
         for thread in threads:
-            thread.join(60)
+            thread.join(180)
         lm.embed = real
 
 
