@@ -191,6 +191,41 @@ def test_the_engine_runs_a_failed_pass_again_in_halves_down_to_the_failing_row(t
     assert calls[0] == 5 and calls.count(1) >= 1 and len(calls) <= 7, calls  # 5, then 3+2, then 2+1 ... not 5 singles
 
 
+def test_a_truncated_request_never_lends_its_cut_to_a_concurrent_one(reranker_server, bert_server):
+    """Prepare workers tokenize side by side; the tokenizer's own truncation is state they would share (a pair cut to
+    32 came back whole 4 times in 500 beside uncut calls, at a 1 us switch interval)."""
+    import sys
+
+    pairs, texts = reranker_server.state.engine.lm, bert_server.state.engine.lm
+    long = " ".join(["paris"] * 60)
+    whole_pair, whole_text = len(pairs.encode_pair(long, "hello")), len(texts.encode_text(long))
+    wrong: list[tuple[str, int]] = []
+
+    def cut():
+        for _ in range(300):
+            wrong.extend(("pair", n) for n in [len(pairs.encode_pair(long, long, 32))] if n != 32)
+            wrong.extend(("text", n) for n in [len(texts.encode_text(long, 10))] if n != 10)
+
+    def whole():
+        for _ in range(300):
+            wrong.extend(("pair", n) for n in [len(pairs.encode_pair(long, "hello"))] if n != whole_pair)
+            wrong.extend(("text", n) for n in [len(texts.encode_text(long))] if n != whole_text)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=f) for f in (cut, whole)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, wrong[:5]
+    short = post(reranker_server, "/v1/rerank", query="q", documents=["d"], truncate_prompt_tokens=3)
+    assert short.status_code == 400 and short.json()["error"]["param"] == "truncate_prompt_tokens", short.text
+
+
 # ---- finding 7: deadlines ----
 
 ROUTES = [("/v1/embeddings", {"input": "hello"}), ("/v1/rerank", {"query": "q", "documents": ["d", "e"]}),
