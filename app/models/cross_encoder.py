@@ -52,11 +52,21 @@ class CrossEncoderModel:
         return self.model.config.vocab_size
 
     def encode_pair(self, first: str, second: str, limit: int | None = None) -> PairRow:
-        """`limit` truncates the longer text first with the special tokens kept, as sentence-transformers'
-        CrossEncoder does, but keeping each text's last tokens, as vLLM's `truncate_prompt_tokens` does."""
-        kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
-        encoded = self.tokenizer(first, second, **kwargs)
-        return PairRow(encoded["input_ids"], encoded.get("token_type_ids"))
+        """`limit` cuts the longer text first with the special tokens kept, as sentence-transformers' CrossEncoder
+        does, but keeping each text's last tokens, as vLLM's `truncate_prompt_tokens` does. The cut is made here,
+        never by the tokenizer's own truncation: that is state on the shared tokenizer, and a prepare worker's
+        concurrent call could run with another request's setting (a pair cut to 32 came back whole)."""
+        backend = self.tokenizer.backend_tokenizer
+        texts = [backend.encode(text, add_special_tokens=False) for text in (first, second)]
+        if limit is not None:
+            room = limit - backend.num_special_tokens_to_add(True)
+            if room < 2:
+                raise ValueError(f"a pair cut to {limit} tokens leaves no room for both texts")
+            for encoding, keep in zip(texts, longest_first(len(texts[0].ids), len(texts[1].ids), room)):
+                encoding.truncate(keep, direction="left")
+        pair = backend.post_process(texts[0], texts[1], add_special_tokens=True)
+        types = list(pair.type_ids) if "token_type_ids" in self.tokenizer.model_input_names else None
+        return PairRow(list(pair.ids), types)
 
     @torch.inference_mode()
     def embed(self, rows: list[PairRow]) -> torch.Tensor:
@@ -77,6 +87,16 @@ class CrossEncoderModel:
         return torch.sigmoid(logits.float()).cpu()  # [B, 1]
 
 
+def longest_first(first: int, second: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text to keep within `room`: the longer text is cut first, down to the shorter's
+    length, then both alike (the first keeps the odd one), as the tokenizers' `longest_first` truncation does."""
+    if first + second <= room:
+        return first, second
+    if min(first, second) <= room // 2:
+        return (first, room - first) if first <= second else (room - second, second)
+    return room - room // 2, room // 2
+
+
 def load_cross_encoder(source: str, name: str, device: torch.device, dtype: torch.dtype, dtype_reason: str,
                        max_model_len: int | None = None) -> CrossEncoderModel:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -90,7 +110,6 @@ def load_cross_encoder(source: str, name: str, device: torch.device, dtype: torc
         raise ConfigError(f"{name!r} has {model.config.num_labels} labels; only one-label cross-encoders (a "
                           "relevance score) are served", param="model")
     model.eval()
-    tokenizer.truncation_side = "left"  # a cut pair keeps its texts' last tokens, as vLLM's truncate_prompt_tokens
     limit = token_limit(model, tokenizer)
     if max_model_len is not None:
         if max_model_len > limit:

@@ -184,10 +184,11 @@ class PoolingModel:
 
     def encode_text(self, text: str, limit: int | None = None) -> list[int]:
         """With the tokenizer's special tokens ([CLS] ... [SEP] for BERT), as sentence-transformers tokenizes;
-        `limit` keeps the text's last tokens, its special tokens kept (the tokenizer truncates on the left)."""
-        if limit is None:
-            return list(self.tokenizer(text)["input_ids"])
-        return list(self.tokenizer(text, truncation=True, max_length=limit)["input_ids"])
+        `limit` keeps the text's last tokens, its special tokens kept (cut_ids). The cut is made here, never by the
+        tokenizer's own truncation: that is state on the shared tokenizer, and a prepare worker's concurrent call
+        could run with another request's setting."""
+        ids = list(self.tokenizer(text)["input_ids"])
+        return ids if limit is None else self.cut_ids(ids, limit)
 
     def cut_ids(self, ids: list[int], limit: int) -> list[int]:
         """A token-id list cut as encode_text cuts a text: its last `limit` tokens (so the EOS a last-token pooling
@@ -229,7 +230,6 @@ def load_pooling_model(source: str, name: str, device: torch.device, dtype: torc
     except OSError as err:
         raise ConfigError(f"could not load embedding model {name!r}: {err}", param="model") from err
     model.eval()
-    tokenizer.truncation_side = "left"  # a cut input keeps its last tokens, as vLLM's truncate_prompt_tokens
     limit = token_limit(model, tokenizer, config.max_seq_length)
     if max_model_len is not None:
         if max_model_len > limit:

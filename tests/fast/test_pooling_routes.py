@@ -46,7 +46,7 @@ def reranker_server(tmp_path_factory):
 
 
 def post(server, path: str, headers: dict | None = None, **body) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=180)
 
 
 def metrics(server) -> dict[str, float]:
@@ -65,7 +65,7 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
     def embed(rows):
         if not gate.is_set():
             entered.set()
-            gate.wait(30)
+            gate.wait(120)  # released once the others queue; a loaded machine may take a while
         return real(rows)
 
     lm.embed = embed
@@ -76,14 +76,14 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
         thread = threading.Thread(target=lambda: box.setdefault("r", post(server, path, headers, **body)))
         thread.start()
         threads.append(thread)
-        return lambda: (thread.join(60), box["r"])[1]
+        return lambda: (thread.join(180), box["r"])[1]
 
     try:
         send("/v1/score" if lm.scores_pairs else "/v1/embeddings",
              **({"text_1": "a", "text_2": "b"} if lm.scores_pairs else {"input": "blocker"}))
-        assert entered.wait(30), "the blocker's pass never started"
+        assert entered.wait(60), "the blocker's pass never started"
         yield send
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while engine.in_flight < 1 + queued and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.in_flight == 1 + queued, f"{engine.in_flight} in flight, expected {1 + queued}"
@@ -91,7 +91,7 @@ def held_engine(server, queued: int, hold_s: float = 0.02):
     finally:
         gate.set()
         for thread in threads:
-            thread.join(60)
+            thread.join(180)
         lm.embed = real
 
 
@@ -189,6 +189,41 @@ def test_the_engine_runs_a_failed_pass_again_in_halves_down_to_the_failing_row(t
     for i in (0, 1, 2, 4):
         torch.testing.assert_close(results[i][0], lm.embed([rows[i]])[0], atol=1e-6, rtol=1e-5)
     assert calls[0] == 5 and calls.count(1) >= 1 and len(calls) <= 7, calls  # 5, then 3+2, then 2+1 ... not 5 singles
+
+
+def test_a_truncated_request_never_lends_its_cut_to_a_concurrent_one(reranker_server, bert_server):
+    """Prepare workers tokenize side by side; the tokenizer's own truncation is state they would share (a pair cut to
+    32 came back whole 4 times in 500 beside uncut calls, at a 1 us switch interval)."""
+    import sys
+
+    pairs, texts = reranker_server.state.engine.lm, bert_server.state.engine.lm
+    long = " ".join(["paris"] * 60)
+    whole_pair, whole_text = len(pairs.encode_pair(long, "hello")), len(texts.encode_text(long))
+    wrong: list[tuple[str, int]] = []
+
+    def cut():
+        for _ in range(300):
+            wrong.extend(("pair", n) for n in [len(pairs.encode_pair(long, long, 32))] if n != 32)
+            wrong.extend(("text", n) for n in [len(texts.encode_text(long, 10))] if n != 10)
+
+    def whole():
+        for _ in range(300):
+            wrong.extend(("pair", n) for n in [len(pairs.encode_pair(long, "hello"))] if n != whole_pair)
+            wrong.extend(("text", n) for n in [len(texts.encode_text(long))] if n != whole_text)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=f) for f in (cut, whole)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, wrong[:5]
+    short = post(reranker_server, "/v1/rerank", query="q", documents=["d"], truncate_prompt_tokens=3)
+    assert short.status_code == 400 and short.json()["error"]["param"] == "truncate_prompt_tokens", short.text
 
 
 # ---- finding 7: deadlines ----

@@ -169,7 +169,10 @@ class EmbeddingServing:
         if isinstance(item, tuple):  # a cross-encoder's (first, second) pair
             if not item[0] or not item[1]:
                 raise InvalidRequest(f"`{where}` pairs an empty string; every text needs words", param=param)
-            return self.lm.encode_pair(*item, keep)
+            try:
+                return self.lm.encode_pair(*item, keep)
+            except ValueError as err:  # a cut too short for the pair's special tokens and both texts
+                raise InvalidRequest(f"`truncate_prompt_tokens`: {err}", param="truncate_prompt_tokens") from None
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"`{where}` is an empty string; every input needs text", param=param)
