@@ -39,7 +39,8 @@ import torch
 from app.errors import Overloaded, QueueTimeout, ServeError, ShuttingDown
 from app.core.runner.packed import enable_packed_batching
 from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
-from app.core.engine.handle import DONE, EngineDead, GenerationFailed, RequestHandle, without_frames
+from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
+                                    without_frames)
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.runner.static_step import build_decode_step
@@ -170,19 +171,11 @@ class Engine:
             if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
                 raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
                                  "retry shortly")
-            self._enqueue(handle)
+            enqueue_by_priority(self._waiting, handle)
             handle.metrics.adapter_series.count_request(handle.adapter)
             self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
         return handle
-
-    def _enqueue(self, handle: RequestHandle) -> None:
-        """Waiting requests in `priority` order (lower first, vLLM's), arrival order among equals: behind every
-        request of a lower or equal priority, ahead of the rest (batch lines wait behind interactive requests)."""
-        at = len(self._waiting)
-        while at > 0 and self._waiting[at - 1].params.priority > handle.params.priority:
-            at -= 1
-        self._waiting.insert(at, handle)
 
     # ---- the worker thread ----
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -109,3 +110,12 @@ class RequestHandle:
         await self.left_queue.wait()
         if self.never_started is not None:
             raise self.never_started
+
+
+def enqueue_by_priority(waiting: deque[RequestHandle], handle: RequestHandle) -> None:
+    """Waiting requests in `priority` order (lower first, vLLM's), arrival order among equals: behind every request
+    of a lower or equal priority, ahead of the rest (batch lines wait behind interactive requests)."""
+    at = len(waiting)
+    while at > 0 and waiting[at - 1].params.priority > handle.params.priority:
+        at -= 1
+    waiting.insert(at, handle)
