@@ -59,6 +59,10 @@ def test_the_sdk_runs_a_batch_and_each_line_equals_the_routes_own_answer(make_ti
         assert usage == {k: v for k, v in direct["usage"].items() if k != "prompt_tokens_details"}  # cached differs
     listed = client.batches.list(limit=10)
     assert [b.id for b in listed.data] == [batch.id]
+    metrics = httpx.get(f"{server.url}/metrics").text  # progress without ids or names
+    assert 'simple_serve_batch_lines_total{result="ok"} 200.0' in metrics
+    assert 'simple_serve_batch_lines_total{result="error"} 1.0' in metrics
+    assert "simple_serve_batches_in_progress 0.0" in metrics and batch.id not in metrics
 
 
 @pytest.mark.parametrize("lines, named", [
