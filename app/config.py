@@ -63,6 +63,10 @@ class Settings(BaseSettings):
                                  "calls of over 4 rows (prefill chunks, many streams) multiply a bf16 copy of the "
                                  "4-bit weights, faster there but 2 bytes a weight more memory, more than bf16's "
                                  "own total (the start log gives its bytes); off: every call on the int4 kernel")
+    batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "
+                                                          "logprobs do not depend on what else is running (each op "
+                                                          "computes a row the same way at any batch; docs/"
+                                                          "walkthrough.md); auto: see docs/performance.md")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
                                 "keys, comma-separated, are several tenants")
     prefix_cache_per_key: bool = Field(True, description="each API key reuses only prefix-cache entries made under "

@@ -30,6 +30,7 @@ from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
+from app.models.invariance import resolve_batch_invariant
 from app.models.quant import dynamic_int8_supported, quantize_linears
 from app.models.weight_memory import describe, weight_bytes_by_format
 
@@ -57,6 +58,8 @@ class LoadedModel:
     prepack: str = "off: not loaded by load_model"  # "on: N linear layers[, why and the figures]" or "off: why"
     ranks: Any = None  # tensor parallel: this shard's app.models.distributed.Ranks (None: the whole model here)
     weight_bytes: dict[str, int] = field(default_factory=dict)  # by format (app/models/weight_memory.py)
+    batch_invariant: bool = False  # BATCH_INVARIANT resolved (app/models/invariance.py)
+    invariance: str = "off: not loaded by load_model"  # why it is on or off
     kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
     @property
@@ -134,7 +137,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
-               tensor_parallel: int = 1, int4_wide_copy: bool = False) -> LoadedModel | PoolingModel | CrossEncoderModel:
+               tensor_parallel: int = 1, int4_wide_copy: bool = False,
+               batch_invariant: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -179,6 +183,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
+    invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device)
+    log.info("batch invariance %s: %s", "on" if invariant else "off", invariance)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
@@ -202,7 +208,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {model_len}", param="max_model_len")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
-                       prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes)
+                       prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
+                       batch_invariant=invariant, invariance=invariance)
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,
