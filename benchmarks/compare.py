@@ -32,10 +32,14 @@ from benchmarks import llamacpp
 from benchmarks.processes import free_port, stop
 from app.models.fetch import EMBEDDED, fetch_gguf, fetch_model
 
-SERVERS = ("ours", "ours-int8", "ours-int4", "ours-compiled", "llama.cpp", "transformers", "transformers-cb")
+SERVERS = ("ours", "ours-int8", "ours-int4", "ours-compiled", "ours-invariant", "ours-variant", "llama.cpp",
+           "transformers", "transformers-cb")
 # Inductor does not compile bf16 prepacked linears (app/core/runner/static_step.py), so the compiled server runs unpacked;
 # everything else (prefix cache, speculation) as ours.
 COMPILED = ("DECODE_STEP=compiled", "PREPACK=false")
+# ours with BATCH_INVARIANT on and off (docs/walkthrough.md): what invariance costs, side by side in one run.
+SETTING_ENV = {"ours-compiled": COMPILED, "ours-invariant": ("BATCH_INVARIANT=on",),
+               "ours-variant": ("BATCH_INVARIANT=off",)}
 
 
 MIXED, MIXED_STREAMS = "mixed, 4 streams", 4
@@ -73,7 +77,7 @@ def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespa
     if kind.startswith("ours"):  # ours-before: the same command, run in the --before checkout (see `run`)
         # int8 picks its own activation dtype (fp32 for the dynamic kernel on a CPU); see app/models/quant.py.
         dtype, quant = ("auto", kind[5:]) if kind in ("ours-int8", "ours-int4") else (args.dtype, "none")
-        return [*(("env", *COMPILED) if kind == "ours-compiled" else ()), sys.executable, "-m", "app", "serve",
+        return [*(("env", *SETTING_ENV[kind]) if kind in SETTING_ENV else ()), sys.executable, "-m", "app", "serve",
                 "--model", str(model_dir), "--port", str(port), "--device", args.device, "--dtype", dtype,
                 "--quant", quant, "--served-model-name", str(model_dir)]
     if kind == "llama.cpp":

@@ -14,6 +14,7 @@ from benchmarks.cells import DTYPES, markdown, ms, provenance, ratio, ttft_cell
 
 SERVER_NAMES = {"ours": "simple-serve", "ours-int8": "simple-serve, `QUANT=int8`", "ours-int4": "simple-serve, `QUANT=int4`",
                 "ours-compiled": "simple-serve, `DECODE_STEP=compiled`",
+                "ours-invariant": "simple-serve, `BATCH_INVARIANT=on`", "ours-variant": "simple-serve, `BATCH_INVARIANT=off`",
                 "llama.cpp": "llama.cpp `llama-server`", "transformers": "`transformers serve`",
                 "transformers-cb": "`transformers serve --continuous-batching`"}
 VARIANT_NAMES = {

@@ -79,6 +79,8 @@ def test_llamacpp_and_int8_server_commands(tmp_path):
     assert plain[plain.index("--quant") + 1] == "none" and plain[plain.index("--dtype") + 1] == "bfloat16"
     compiled = compare.server_command("ours-compiled", tmp_path, 8001, args)
     assert compiled[0] == "env" and compiled[len(compare.COMPILED) + 1:] == plain
+    invariant, variant = (compare.server_command(k, tmp_path, 8001, args) for k in ("ours-invariant", "ours-variant"))
+    assert invariant == ["env", "BATCH_INVARIANT=on", *plain] and variant == ["env", "BATCH_INVARIANT=off", *plain]
     binary, gguf = tmp_path / "llama-server", tmp_path / "m.gguf"
     peer = compare.server_command("llama.cpp", tmp_path, 8002, args, binary, gguf)
     assert peer[0] == str(binary) and peer[peer.index("-m") + 1] == str(gguf)
