@@ -78,14 +78,16 @@ def target_rows(output, tokens: int, target: int, requests: int) -> torch.Tensor
 
 
 class Row:
-    """What `forward` reads of a sequence: its token ids (prompt and every token fed so far) and its own cache."""
+    """What `forward` reads of a sequence: its token ids (prompt and every token fed so far), its prompt's length
+    (under BATCH_INVARIANT a prefill pass computes attention otherwise than a decode pass) and its own cache."""
 
     def __init__(self, model, prompt: list[int], room: int):
         from transformers import DynamicCache
 
         self.token_ids = torch.zeros(1, len(prompt) + room, dtype=torch.long, device=model.device)
         self.token_ids[0, : len(prompt)] = torch.tensor(prompt)
-        self.length, self.cache = len(prompt), DynamicCache(config=model.config)
+        self.prompt_len = self.length = len(prompt)
+        self.cache = DynamicCache(config=model.config)
 
     def feed(self) -> int:
         return self.length - self.cache.get_seq_length()
@@ -95,12 +97,11 @@ class Row:
         self.length += 1
 
 
-def compare_runs(model, prompts: list[list[int]], target: int, steps: int, keep: tuple[int, StepKey] | None = None
+def compare_runs(lm, prompts: list[list[int]], target: int, steps: int, keep: tuple[int, StepKey] | None = None
                  ) -> dict:
     """Step the alone and the packed run side by side until a step where the target's rows differ (or `steps`).
     `keep`: (step, key) whose rows to return from both runs (the second run); else the first difference found."""
-    from app.core.runner.forward import run_pass
-
+    model, run_pass = lm.model, engine_pass(lm)
     recorder = Recorder(model, keep[1] if keep else None)
     alone = Row(model, prompts[target], steps)
     packed = [Row(model, p, steps) for p in [prompts[target]] + prompts[:target] + prompts[target + 1:]]
@@ -108,11 +109,11 @@ def compare_runs(model, prompts: list[list[int]], target: int, steps: int, keep:
         for step in range(steps):
             recorder.keep = keep[1] if keep and keep[0] == step else None
             recorder.start_pass(alone.feed(), alone.feed(), 1)
-            alone_logits = run_pass(model, [(alone, alone.feed())])[0][0]
+            alone_logits = run_pass([(alone, alone.feed())])[0]
             alone_trace, alone_kept = recorder.trace, recorder.kept
             work = [(row, row.feed()) for row in packed]
             recorder.start_pass(sum(n for _, n in work), work[0][1], len(work))
-            packed_logits = run_pass(model, work)[0]
+            packed_logits = run_pass(work)
             if keep and keep[0] == step:
                 return {"alone": alone_kept, "packed": recorder.kept}
             token = int(alone_logits.argmax())
@@ -131,6 +132,17 @@ def compare_runs(model, prompts: list[list[int]], target: int, steps: int, keep:
                 "modules_compared": sum(k in recorder.trace for k in alone_trace)}
     finally:
         recorder.remove()
+
+
+def engine_pass(lm):
+    """The engine's pass as its StepRunner calls it: `run_pass` with the model's BATCH_INVARIANT where `run_pass`
+    takes it (the engine's invariant mode packs one row too, and cuts attention by absolute positions)."""
+    import inspect
+
+    from app.core.runner.forward import run_pass
+
+    extra = ({"invariant": lm.batch_invariant} if "invariant" in inspect.signature(run_pass).parameters else {})
+    return lambda work: run_pass(lm.model, work, **extra)[0]
 
 
 def first_difference(alone: dict, packed: dict) -> StepKey | None:
@@ -160,9 +172,9 @@ def measure_model(lm, prompts: list[str], steps: int) -> dict:
     ids = [lm.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     found = []
     for target in range(len(ids)):
-        result = compare_runs(lm.model, ids, target, steps)
+        result = compare_runs(lm, ids, target, steps)
         if result["first"] is not None:
-            rows = compare_runs(lm.model, ids, target, steps, keep=(result["step"], result["first"]))
+            rows = compare_runs(lm, ids, target, steps, keep=(result["step"], result["first"]))
             name, call = result["first"]
             result |= {"module": name, "call": call, "layer": layer_of(name), "shape": list(rows["alone"].shape),
                        "max_diff": float((rows["alone"].double() - rows["packed"].double()).abs().max())}
