@@ -92,18 +92,23 @@ def model_dir(model: str) -> Path:
 
 
 def build_prompts(tokenizer, lengths: list[int]) -> list[str]:
-    """One prompt per length, each exactly that many tokens of the model's tokenizer when encoded alone: serve.py's
-    passages in a fixed order, prompt i starting at passage i (so prompts differ from their first token)."""
+    """One prompt per length, each that many tokens of the model's tokenizer when encoded alone (a few less where
+    the cut fell inside a character): serve.py's passages in a fixed order, prompt i starting at passage i (so
+    prompts differ from their first token)."""
     passages = [p for pair_ in zip(bench_serve.PASSAGES_EN, bench_serve.PASSAGES_ZH) for p in pair_]
+    def tokens(first: int, count: int) -> list[int]:  # `count` passages from passage `first` on, wrapping round
+        text = " ".join(passages[(first + j) % len(passages)] for j in range(count))
+        return tokenizer.encode(text, add_special_tokens=False)
+
     prompts = []
     for i, length in enumerate(lengths):
-        ids: list[int] = []
-        k = i
-        while len(ids) < length:
-            ids = tokenizer.encode(" ".join(passages[(i + j) % len(passages)] for j in range(k - i + 1)),
-                                   add_special_tokens=False)
-            k += 1
-        prompts.append(tokenizer.decode(ids[:length]))
+        count = 1
+        while len(ids := tokens(i, count)) < length:
+            count += 1
+        cut = length  # a cut inside a character may encode to one token more: cut earlier until it does not
+        while cut > 1 and len(tokenizer.encode(tokenizer.decode(ids[:cut]), add_special_tokens=False)) > length:
+            cut -= 1
+        prompts.append(tokenizer.decode(ids[:cut]))
     return prompts
 
 
@@ -237,7 +242,8 @@ def print_report(report: dict) -> None:
             diffs = list(p["compared"].values())
             first = lambda key: min((d[key] for d in diffs if d[key] is not None), default="-")  # noqa: E731
             identical = f"{sum(d['identical'] for d in diffs)} of {len(diffs)}"
-            same_logprobs = f"{sum(d['first_logprob_diff'] is None and 'error' not in d for d in diffs)} of {len(diffs)}"
+            same = sum(d["first_logprob_diff"] is None and "error" not in d for d in diffs)
+            same_logprobs = f"{same} of {len(diffs)}"
             print(f"{i + 1:>6}{p['prompt_tokens'] or '-':>8}{identical:>11}{first('first_token_diff'):>23}"
                   f"{same_logprobs:>24}{first('first_logprob_diff'):>25}")
         for kind, c in run_["summary"].items():

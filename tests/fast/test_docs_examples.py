@@ -15,7 +15,8 @@ EXAMPLE = re.compile(r"<!-- runnable: example -->\n```python\n(?P<code>.*?)```\n
 
 
 def examples() -> list[tuple[str, str, str]]:
-    return [(f"{page.name}#{i}", m["code"], m["shown"]) for page in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
+    pages = [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
+    return [(f"{page.name}#{i}", m["code"], m["shown"]) for page in pages
             for i, m in enumerate(EXAMPLE.finditer(page.read_text()))]
 
 

@@ -86,6 +86,15 @@ def test_the_finder_takes_a_prefill_row_along_the_token_axis_and_lm_heads_along_
     assert invariance_ops.layer_of("model.layers.12.mlp.down_proj") == 12 and invariance_ops.layer_of("lm_head") is None
 
 
+def test_the_prompts_have_the_asked_lengths_and_each_starts_otherwise(tiny_tokenizer):
+    from benchmarks.invariance import build_prompts
+
+    prompts = build_prompts(tiny_tokenizer, [3, 40, 300, 40])
+    counts = [len(tiny_tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    assert all(n - 3 <= count <= n for count, n in zip(counts, [3, 40, 300, 40])), counts  # a character: 3 bytes
+    assert prompts[1] != prompts[3] and build_prompts(tiny_tokenizer, [3, 40, 300, 40]) == prompts
+
+
 def test_bad_settings_are_named():
     with pytest.raises(SystemExit, match="--compare: NOT_A_SETTING is not a setting"):
         main(["invariance", "--compare", "NOT_A_SETTING=a,b"])
