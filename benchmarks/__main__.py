@@ -26,6 +26,8 @@ COMMANDS = {  # command -> (module under benchmarks/, help)
     "kernels": ("kernels", "one linear layer in each weight format (fp32, bf16, int8, int4): ms and error"),
     "step": ("step", "one decode step: eager against DECODE_STEP=compiled"),
     "batch": ("batch", "interactive first token and tokens/s alone and while a batch runs (Batches API)"),
+    "invariance": ("invariance", "the same prompts alone and amid others: identical tokens and logprobs? (--ops: "
+                                 "the first module that differs)"),
     "soak": ("soak", "a long mixed load, then checks that the server held up (exit 1 if not)"),
     "routing": ("routing", "round-robin vs prefix-aware routing over N local replicas (stands in for the inference "
                            "gateway)"),
