@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="every request's seed when --temperature > 0")
     parser.add_argument("--ops", action="store_true", help="op level, no server: the first module whose output for "
                         "the same row differs alone and packed with the other prompts (decode: --max-tokens steps)")
+    parser.add_argument("--kernels", action="store_true", help="kernel level, no model: which linear kernels and "
+                        "attention chunkings compute a row the same way at any row count on this machine "
+                        "(benchmarks/invariance_kernels.py)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/invariance-<timestamp>.json)")
 
@@ -116,12 +119,21 @@ def run(args: argparse.Namespace) -> dict:
     lengths = [int(p) for p in args.prompt_lens.split(",") if p.strip().isdigit() and int(p) > 0]
     if not lengths or args.rounds < 1 or args.max_tokens < 1:
         raise SystemExit("error: --prompt-lens, --rounds and --max-tokens: at least one prompt, round and token")
+    out = Path(args.out or f"bench-results/invariance-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if args.kernels:
+        from benchmarks import invariance_kernels
+
+        report = {**record.envelope("invariance", args), **invariance_kernels.measure()}
+        invariance_kernels.print_report(report)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+        print(f"wrote {out}")
+        return report
     settings = parse_settings(args)
     path = model_dir(args.model)
     from transformers import AutoTokenizer
 
     prompts = build_prompts(AutoTokenizer.from_pretrained(path), lengths)
-    out = Path(args.out or f"bench-results/invariance-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {**record.envelope("invariance", args), "model": str(path), "prompt_lens": lengths, "runs": {}}
     for label, env in settings.items():

@@ -100,3 +100,16 @@ def test_bad_settings_are_named():
         main(["invariance", "--compare", "NOT_A_SETTING=a,b"])
     with pytest.raises(SystemExit, match="--env: expected NAME=VALUE"):
         main(["invariance", "--env", "QUANT"])
+
+
+def test_kernel_probe_tells_a_row_invariant_kernel_from_one_that_sees_its_neighbours():
+    """`--kernels` rests on `differing_rows`: a kernel whose row depends on the call's other rows is named at
+    every row count past one; a row-by-row one never is (whatever this CPU's own kernels do)."""
+    import torch
+
+    from benchmarks import invariance_kernels
+
+    x = torch.randn(max(invariance_kernels.ROWS), 8)
+    sees_neighbours = lambda rows: rows * 2 + rows.mean()  # noqa: E731 - every row shifted by the call's mean
+    assert invariance_kernels.differing_rows(sees_neighbours, x) == list(invariance_kernels.ROWS[1:])
+    assert invariance_kernels.differing_rows(lambda rows: rows * 2 + 1, x) == []
