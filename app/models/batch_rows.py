@@ -44,6 +44,7 @@ changes: `F.linear`, bit for bit `model.generate()`.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
@@ -53,7 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.linears import plain_linears
-from app.models.row_check import choose_split, split_rows
+from app.models.row_check import TILE_ROWS, choose_split, split_rows
+
+log = logging.getLogger("app.models.batch_rows")
 
 # Above this many rows (prefill chunks are 128 on a CPU) the packed copy no longer measured faster; see the table.
 PACKED_MAX_ROWS = 64
@@ -177,9 +180,19 @@ def invariant_plan(layer: BatchRowsLinear) -> tuple[str, str]:
     a row the same way at any row count here, else `F.linear` whole, in tiles, or one row per call
     (app/models/row_check.py)."""
     shape = (layer.in_features, layer.out_features, torch.float32)
-    if layer.packed_weight is not None and choose_split(layer.packed_rows, *shape, splits=("whole",))[0] == "whole":
-        return "packed", "whole"
-    return "plain", choose_split(layer.plain_rows, *shape)[0]
+    if layer.packed_weight is not None:
+        split, failed = choose_split(layer.packed_rows, *shape, splits=("whole",))
+        if split == "whole":
+            return "packed", "whole"
+        log.warning("batch invariance: oneDNN's packed fp32 linear (%d x %d) computes a row differently depending on "
+                    "the call's row count (first seen at %d rows); that shape keeps no copy",
+                    layer.out_features, layer.in_features, failed)
+    split, failed = choose_split(layer.plain_rows, *shape)
+    if failed is not None:
+        log.info("batch invariance: F.linear fp32 (%d x %d) computes a row differently depending on the call's row "
+                 "count (first seen at %d rows); its rows go %s", layer.out_features, layer.in_features, failed,
+                 f"in tiles of {TILE_ROWS}" if split == "tiles" else "one call each")
+    return "plain", split
 
 
 def _check_close(plain: nn.Linear, layer: BatchRowsLinear) -> None:

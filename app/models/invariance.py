@@ -101,9 +101,9 @@ def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool =
             if key not in plans:
                 plans[key] = choose_split(layer, layer.in_features, layer.out_features, dtype, device=_device(layer))
                 if plans[key][1] is not None:
-                    log.info("batch invariance: %s (%d x %d) computed a row otherwise in a call of %d rows than "
-                             "alone; it runs %s", kernel_name(layer), layer.out_features, layer.in_features,
-                             plans[key][1], SPLIT_NAMES[plans[key][0]])
+                    log.info("batch invariance: %s (%d x %d) computes a row differently depending on the call's "
+                             "row count (first seen at %d rows); it runs %s", kernel_name(layer), layer.out_features,
+                             layer.in_features, plans[key][1], SPLIT_NAMES[plans[key][0]])
             split = plans[key][0]
             layer.invariant_split = split
             if split != "whole":
