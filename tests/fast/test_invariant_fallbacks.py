@@ -23,11 +23,15 @@ from cpu_flags import SAPPHIRE_RAPIDS_FLAGS
 from test_invariant_linears import ROWS, linears, rows_differ_from_alone
 
 
-def test_bf16_computes_a_row_the_same_way_at_any_row_count(tiny_tokenizer):
-    """Plain bf16 linears (a CPU where prepacking cannot run, as here): F.linear as checked, or its fallback."""
-    model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
-    assert "F.linear bfloat16, " in make_linears_invariant(model, torch.bfloat16)
-    for name, layer in linears(model).items():
+def test_bf16_computes_a_row_the_same_way_at_any_row_count(tiny_dir):
+    """bf16 as loaded: on a CPU with oneDNN's bf16 reorder, prepacked with a batch hint that passed the check (or
+    plain where none did); elsewhere (as here) plain F.linear as checked, or its fallback. lm_head included."""
+    lm = load_model(str(tiny_dir), device="cpu", dtype="bfloat16", prepack="true" if prepack.prepack_supported(
+        torch.device("cpu"), torch.bfloat16) else "auto", batch_invariant="on")
+    assert "bfloat16, " in lm.invariance
+    layers = linears(lm.model)
+    assert "lm_head" in layers and len(layers) == 15
+    for name, layer in layers.items():
         assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
 
 
