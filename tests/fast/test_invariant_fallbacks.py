@@ -20,7 +20,7 @@ from app.models.row_check import RowSplitLinear
 
 from conftest import build_tiny_model
 from cpu_flags import SAPPHIRE_RAPIDS_FLAGS
-from test_invariant_linears import ROWS, linears, rows_differ_from_alone
+from test_invariant_linears import ROWS, first_layer_and_head, linears, rows_differ_from_alone
 
 
 def test_bf16_computes_a_row_the_same_way_at_any_row_count(tiny_dir):
@@ -29,9 +29,8 @@ def test_bf16_computes_a_row_the_same_way_at_any_row_count(tiny_dir):
     lm = load_model(str(tiny_dir), device="cpu", dtype="bfloat16", prepack="true" if prepack.prepack_supported(
         torch.device("cpu"), torch.bfloat16) else "auto", batch_invariant="on")
     assert "bfloat16, " in lm.invariance
-    layers = linears(lm.model)
-    assert "lm_head" in layers and len(layers) == 15
-    for name, layer in layers.items():
+    assert "lm_head" in linears(lm.model) and len(linears(lm.model)) == 15
+    for name, layer in first_layer_and_head(lm.model).items():
         assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
 
 

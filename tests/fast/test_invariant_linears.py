@@ -33,6 +33,18 @@ def linears(model) -> dict[str, nn.Module]:
             if isinstance(m, RowSplitLinear) or (type(m) in LINEAR_KINDS and not name.endswith(".layer"))}
 
 
+def first_layer_and_head(model) -> dict[str, nn.Module]:
+    """`linears`, of the first decoder layer and lm_head: the second layer's hold the same kinds and shapes, and
+    are held here to the same plan (checking each row alone is what makes these tests take seconds emulated)."""
+    layers = linears(model)
+    plan = lambda m: (type(m), getattr(m, "split", None), getattr(m, "invariant", None),  # noqa: E731
+                      getattr(m, "invariant_split", None))
+    for name, layer in layers.items():
+        if ".layers.1." in name:
+            assert plan(layer) == plan(layers[name.replace(".layers.1.", ".layers.0.")]), name
+    return {name: layer for name, layer in layers.items() if ".layers.1." not in name}
+
+
 def rows_differ_from_alone(layer: nn.Module, in_features: int, dtype=torch.float32) -> list[int]:
     """The row counts M at which some row of an M-row call (an engine pass) is not that row alone, bit for bit."""
     x = torch.randn(max(ROWS), in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -47,9 +59,8 @@ def rows_differ_from_alone(layer: nn.Module, in_features: int, dtype=torch.float
 def test_every_linear_computes_a_row_the_same_way_at_any_row_count(tiny_dir, settings):
     lm = load_model(str(tiny_dir), device="cpu", batch_invariant="on", **settings)
     assert lm.batch_invariant and "each computes a row the same way in a call of 1-129 rows" in lm.invariance
-    layers = linears(lm.model)
-    assert "lm_head" in layers and len(layers) == 15
-    for name, layer in layers.items():
+    assert "lm_head" in linears(lm.model) and len(linears(lm.model)) == 15
+    for name, layer in first_layer_and_head(lm.model).items():
         assert rows_differ_from_alone(layer, layer.in_features) == [], name
 
 
@@ -58,7 +69,7 @@ def test_weight_only_int8_computes_a_row_the_same_way_at_any_row_count(tiny_toke
     model = build_tiny_model(len(tiny_tokenizer))
     quantize_linears(model, "int8", kernel="weight_only", batch_invariant=True)
     assert "weight-only int8, " in make_linears_invariant(model, torch.float32)
-    for name, layer in linears(model).items():
+    for name, layer in first_layer_and_head(model).items():
         assert rows_differ_from_alone(layer, layer.in_features) == [], name
 
 
@@ -103,3 +114,27 @@ def test_dynamic_int8_differs_by_its_neighbours_and_the_anchor_row_fixes_it():
     assert first_variant_rows(anchored, 896, torch.float32) is None
     x = torch.randn(5, 896)  # and still the layer: within int8 rounding of fp32
     torch.testing.assert_close(anchored(x), linear(x).detach(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("settings", [dict(dtype="float32"), dict(quant="int8"), dict(quant="int4")],
+                         ids=["fp32", "int8", "int4"])
+def test_a_batched_prefill_gives_each_prompt_its_logits_alone_bit_for_bit(tiny_dir, settings):
+    """What a user sees: three prompts prefilled in one engine pass get the logits (so the logprobs and the first
+    token) each gets alone, bit for bit, with the flag. Without it, int8's lm_head (int4's too) quantizes the
+    pass's rows with one shared scale, so they differ; fp32's (F.linear alone, the packed copy together) may."""
+    from app.core.runner.forward import forward
+    from app.core.runner.packed import enable_packed_batching
+
+    prompts = [list(range(5, 5 + n)) for n in (7, 12, 19)]
+    for mode in ("off", "on"):
+        lm = load_model(str(tiny_dir), device="cpu", batch_invariant=mode, **settings)
+        assert enable_packed_batching(lm.model)
+
+        def seqs():
+            return [Sequence(lm.model, lm.tokenizer, ids, SamplingParams(max_tokens=2, do_sample=False), (),
+                             lm.max_context) for ids in prompts]
+
+        together = forward(lm.model, [(s, s.prompt_len) for s in seqs()])  # [3, vocab]
+        alone = torch.cat([forward(lm.model, [(s, s.prompt_len)]) for s in seqs()])
+        if mode == "on" or "quant" in settings:
+            assert torch.equal(together, alone) == (mode == "on"), mode
