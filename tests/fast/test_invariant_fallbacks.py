@@ -34,6 +34,16 @@ def test_bf16_computes_a_row_the_same_way_at_any_row_count(tiny_dir):
         assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
 
 
+def test_weight_only_int8_computes_a_row_the_same_way_at_any_row_count(tiny_tokenizer):
+    """The kernel QUANT=int8 takes with bf16 activations, on a GPU or without fbgemm: as it is, checked. (Not rerun
+    on the emulated AVX2 CPU: 15 s there, for a kernel that AVX2 machines run only with DTYPE=bfloat16.)"""
+    model = build_tiny_model(len(tiny_tokenizer))
+    quantize_linears(model, "int8", kernel="weight_only", batch_invariant=True)
+    assert "weight-only int8, " in make_linears_invariant(model, torch.float32)
+    for name, layer in first_layer_and_head(model).items():
+        assert rows_differ_from_alone(layer, layer.in_features) == [], name
+
+
 def test_int4_never_takes_its_bf16_copy_under_batch_invariant(tiny_tokenizer, monkeypatch, caplog):
     """INT4_WIDE_COPY on a native-bf16 CPU (an AMX Xeon, by its flags): the copy computes a row of a wide call
     otherwise than alone, so batch invariance leaves it out and the start log says so."""

@@ -1,8 +1,8 @@
 """BATCH_INVARIANT's linears on this CPU's own kernels (app/models/invariance.py, row_check.py): loaded with
 batch_invariant, every linear, lm_head included, computes a row the same way, bit for bit, in a call of any number
-of rows as alone, in fp32 (with and without the packed copies), int8 (dynamic and weight-only) and int4; and the
-flag changes nothing outside the engine's passes in fp32 (the oracle). These kernels choose by CPUID, so
-`make test-avx2` runs this file again on an emulated AVX2 CPU. The check's fallbacks, with injected faults:
+of rows as alone, in fp32 (with and without the packed copies), dynamic int8 and int4; and the flag changes
+nothing outside the engine's passes in fp32 (the oracle). These kernels choose by CPUID, so `make test-avx2` runs
+this file again on an emulated AVX2 CPU. The check's fallbacks, with injected faults, weight-only int8 and bf16:
 test_invariant_fallbacks.py."""
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from app.core.sampling import SamplingParams
 from app.core.sequence import Sequence
 from app.models import batch_rows
 from app.models.batch_rows import BatchRowsLinear
-from app.models.invariance import LINEAR_KINDS, make_linears_invariant
+from app.models.invariance import LINEAR_KINDS
 from app.models.loading import load_model
-from app.models.quant import DynamicInt8Linear, quantize_linears
+from app.models.quant import DynamicInt8Linear
 from app.models.row_check import RowSplitLinear, first_variant_rows
-
-from conftest import build_tiny_model
 
 ROWS = (1, 2, 3, 8, 17, 64, 129)
 
@@ -61,15 +59,6 @@ def test_every_linear_computes_a_row_the_same_way_at_any_row_count(tiny_dir, set
     assert lm.batch_invariant and "each computes a row the same way in a call of 1-129 rows" in lm.invariance
     assert "lm_head" in linears(lm.model) and len(linears(lm.model)) == 15
     for name, layer in first_layer_and_head(lm.model).items():
-        assert rows_differ_from_alone(layer, layer.in_features) == [], name
-
-
-def test_weight_only_int8_computes_a_row_the_same_way_at_any_row_count(tiny_tokenizer):
-    """The kernel QUANT=int8 takes with bf16 activations, on a GPU or without fbgemm: as it is, checked."""
-    model = build_tiny_model(len(tiny_tokenizer))
-    quantize_linears(model, "int8", kernel="weight_only", batch_invariant=True)
-    assert "weight-only int8, " in make_linears_invariant(model, torch.float32)
-    for name, layer in first_layer_and_head(model).items():
         assert rows_differ_from_alone(layer, layer.in_features) == [], name
 
 
