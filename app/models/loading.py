@@ -276,7 +276,8 @@ def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "", inv
     except PrepackFailed as err:
         raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
     if not count:
-        return "off: oneDNN refused the reorder (see the log)"
+        variant = ", or its kernel computed a row differently at different row counts (BATCH_INVARIANT)"
+        return f"off: oneDNN refused the reorder{variant if invariant else ''} (see the log)"
     where = f", the shapes where packed measured faster ({measured})" if measured else ""
     return f"on: {count} linear layers{where}"
 

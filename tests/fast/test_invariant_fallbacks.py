@@ -98,7 +98,10 @@ def test_a_packed_fp32_copy_that_is_not_invariant_is_dropped_for_f_linear(tiny_d
 
 def test_bf16_prepacking_takes_the_first_batch_hint_whose_kernel_is_invariant(monkeypatch):
     """Native-bf16 CPUs cannot be run here: a stand-in packed kernel that is variant with hint 1 and invariant
-    with hint 8 (fp32 oneDNN's own behaviour on this CPU) is packed with 8; one variant with both stays plain."""
+    with hint 8 (fp32 oneDNN's own behaviour on this CPU) is packed with 8; one variant with both stays plain, and
+    PREPACK's state says why."""
+    from app.models import loading
+
 
     class FakePacked(nn.Module):
         def __init__(self, linear, batch_hint=1):
@@ -106,14 +109,22 @@ def test_bf16_prepacking_takes_the_first_batch_hint_whose_kernel_is_invariant(mo
             self.in_features, self.out_features, self.hint = linear.in_features, linear.out_features, batch_hint
             self.weight, self.bias = linear.weight, linear.bias
 
-        def forward(self, x):  # [rows, in]: one F.linear per row, invariant; times the row count, not
-            out = torch.cat([F.linear(row[None], self.weight, self.bias) for row in x])
-            return out * (1 + 1e-2 * x.shape[-2]) if self.hint in variant else out
+        def forward(self, x):  # one F.linear per row, invariant; times the row count, not
+            rows = x.reshape(-1, self.in_features)
+            out = torch.cat([F.linear(row[None], self.weight, self.bias) for row in rows])
+            out = out * (1 + 1e-2 * len(rows)) if self.hint in variant else out
+            return out.reshape(*x.shape[:-1], self.out_features)
 
     monkeypatch.setattr(prepack, "PackedLinear", FakePacked)
     for variant, hint in (({1}, 8), ({1, 8}, None)):
         model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
         assert set(prepack.invariant_hints(model).values()) == {hint}
+        state = loading._pack_bf16(model, "true", invariant=True)
+        if hint:
+            assert state == "on: 2 linear layers" and all(m.hint == hint for m in model)
+        else:
+            assert "its kernel computed a row differently at different row counts" in state
+            assert all(type(m) is nn.Linear for m in model)
 
 
 def test_a_large_lm_head_is_checked_at_fewer_row_counts_to_keep_the_load_short():
