@@ -4,13 +4,43 @@ Batching changes floating-point results because a kernel may sum a row's product
 has more rows (docs/walkthrough.md shows it on one dot product). With BATCH_INVARIANT on, every op that could see
 the batch computes each row the same way at any batch: the answer alone and under load is the same, token for
 token and logprob for logprob, and a seeded sample repeats. `resolve_batch_invariant` decides what `auto` means.
+
+The linears (`make_linears_invariant`, after loading has quantized or prepacked them): each runs one kernel for
+every row count, one row included, that a load-time check on one layer of each shape found to compute a row the
+same way in a call of any number of rows as alone (app/models/row_check.py); where the kernel fails, its calls are
+split into fixed tiles of rows, or one call per row, which always holds. So a CPU where a kernel is not invariant
+still gets invariant answers, only slower. The kernels, and what loading did for them:
+- fp32 on a CPU: the engine's passes on oneDNN's packed copy (app/models/batch_rows.py chooses, copy or not);
+  outside them (`generate()`, the oracle) `F.linear`, bit for bit `model.generate()`;
+- bf16 prepacked in place: only with a batch hint whose packed kernel passes (app/models/prepack.py), else plain;
+- QUANT=int8 dynamic: an anchor row fixes the call's quantization scale (app/models/quant.py DynamicInt8Linear);
+  weight-only int8 and int4 as they are; int4 never on the INT4_WIDE_COPY copy. lm_head included.
+Measured on this project's AVX2 Zen 2: every one of these passes whole. Checking the default model's six shapes
+took 0.7 s of its fp32 load on one thread, 1.0 s on two busy ones (most of it reading the lm_head, which is checked
+at 1 to 8 rows only: row_check.py CHECK_MACS); QUANT=int8 1.7 s, int4 1.0 s.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+from collections import defaultdict
+
 import torch
+from torch import nn
+
+from app.models.batch_rows import BatchRowsLinear
+from app.models.prepack import PackedLinear
+from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
+from app.models.row_check import CHECK_ROWS, TILE_ROWS, RowSplitLinear, choose_split, rows_to_check
+
+log = logging.getLogger("app.models.invariance")
 
 INVARIANT_MODES = ("auto", "on", "off")
+LINEAR_KINDS = (nn.Linear, BatchRowsLinear, PackedLinear, DynamicInt8Linear, WeightOnlyInt8Linear, Int4Linear)
+SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (a call of fewer rows computes "
+               f"{TILE_ROWS}: one row took ~2.6x F.linear's time here)",
+               "rows": "one call per row (each row reads the weights again: a 128-row prefill chunk ~100x slower)"}
 
 
 def resolve_batch_invariant(mode: str, device: torch.device) -> tuple[bool, str]:
@@ -22,3 +52,72 @@ def resolve_batch_invariant(mode: str, device: torch.device) -> tuple[bool, str]
     if device.type != "cpu":
         return False, f"auto: off on {device.type} (its cost there is not measured yet)"
     return False, "auto: off (provisional)"
+
+
+def kernel_name(layer: nn.Module) -> str:
+    """What computes this linear's rows under BATCH_INVARIANT, for the start log."""
+    if isinstance(layer, BatchRowsLinear):
+        return "oneDNN packed fp32" if layer.invariant and layer.invariant[0] == "packed" else "F.linear fp32"
+    if isinstance(layer, PackedLinear):
+        return f"oneDNN packed {str(layer.packed_weight.dtype).removeprefix('torch.')}"
+    if isinstance(layer, DynamicInt8Linear):
+        return f"dynamic int8 with an anchor row ({layer.engine})"
+    if isinstance(layer, WeightOnlyInt8Linear):
+        return "weight-only int8"
+    if isinstance(layer, Int4Linear):
+        return "int4" + (" (its bf16 copy too)" if layer.wide is not None else "")
+    return f"F.linear {str(layer.weight.dtype).removeprefix('torch.')}"
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, layer) for each linear of a kind above, listed whole before any swap."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) in LINEAR_KINDS]
+
+
+def _device(layer: nn.Module) -> torch.device:
+    """Where the layer computes; dynamic int8's weights are a packed object, not a tensor: CPU."""
+    tensor = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+@torch.no_grad()
+def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool = False) -> str:
+    """Give every linear a way to compute a row the same way at any row count: the kernels that loading chose
+    and checked keep theirs (fp32's BatchRowsLinear, bf16's PackedLinear); every other kind is checked here, one
+    layer per kind and shape, whole calls, then tiles (RowSplitLinear), else one call per row. Returns what
+    runs, for the start log and /ready."""
+    if sharded:
+        return "linears: not checked (tensor parallel shards: each rank's share of a row is its own kernel's)"
+    plans, swaps = {}, []
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    shapes: set[tuple[int, int]] = set()
+    for parent, name, layer in _linears(model):
+        split = layer.invariant[1] if isinstance(layer, BatchRowsLinear) and layer.invariant else None
+        split = split or getattr(layer, "invariant_split", None)
+        if split is None:
+            key = (type(layer), layer.out_features, layer.in_features, getattr(layer, "bias", None) is not None,
+                   getattr(layer, "engine", None))
+            if key not in plans:
+                plans[key] = choose_split(layer, layer.in_features, layer.out_features, dtype, device=_device(layer))
+                if plans[key][1] is not None:
+                    log.info("batch invariance: %s (%d x %d) computes a row differently depending on the call's "
+                             "row count (first seen at %d rows); it runs %s", kernel_name(layer), layer.out_features,
+                             layer.in_features, plans[key][1], SPLIT_NAMES[plans[key][0]])
+            split = plans[key][0]
+            layer.invariant_split = split
+            if split != "whole":
+                swaps.append((parent, name, RowSplitLinear(layer, split)))
+        counts[kernel_name(layer), split] += 1
+        shapes.add((layer.out_features, layer.in_features))
+    for parent, name, wrapped in swaps:
+        setattr(parent, name, wrapped)
+    kinds = "; ".join(f"{kernel}, {SPLIT_NAMES[split]}: {n} layer{'s' * (n != 1)}"
+                      for (kernel, split), n in counts.items())
+    fewer = [f"{out} x {n_in}: 1-{max(rows_to_check(n_in, out))}" for out, n_in in sorted(shapes)
+             if len(rows_to_check(n_in, out)) < len(CHECK_ROWS)]
+    rows = f"1-{max(CHECK_ROWS)} rows" + (f" ({', '.join(fewer)})" if fewer else "")
+    oracle = ("; fp32 in the engine's passes only: generate(), the oracle, stays on F.linear"
+              if any(isinstance(layer, BatchRowsLinear) for _, _, layer in _linears(model)) else "")
+    return (f"linears: {kinds or 'none'}; each computes a row the same way in a call of {rows} as alone, checked "
+            f"here on one layer per shape{oracle}")

@@ -22,7 +22,7 @@ from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
 from app.models.chat_template import passed_kwargs, template_variables
 from app.models.architectures import unservable
-from app.models.batch_rows import copy_bytes, use_batch_rows
+from app.models.batch_rows import copy_bytes, copy_bytes_held, use_batch_rows
 from app.models.cpu import auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED, fetch_model
@@ -30,7 +30,7 @@ from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
-from app.models.invariance import resolve_batch_invariant
+from app.models.invariance import make_linears_invariant, resolve_batch_invariant
 from app.models.quant import dynamic_int8_supported, quantize_linears
 from app.models.weight_memory import describe, weight_bytes_by_format
 
@@ -184,17 +184,20 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
     invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device)
-    log.info("batch invariance %s: %s", "on" if invariant else "off", invariance)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
     elif quant != "none":
-        quantize_linears(model, quant, wide_copy=int4_wide_copy)  # every linear, lm_head included: none to prepack
+        # every linear, lm_head included: none to prepack
+        quantize_linears(model, quant, wide_copy=int4_wide_copy, batch_invariant=invariant)
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
-                                 choice_key(name_or_path, torch_dtype))
+                                 choice_key(name_or_path, torch_dtype), invariant)
     log.info("prepack %s", prepack_state)
+    if invariant:
+        invariance = f"{invariance}; {make_linears_invariant(model, torch_dtype, ranks is not None)}"
+    log.info("batch invariance %s: %s", "on" if invariant else "off", invariance)
     weight_bytes = {} if ranks is not None else weight_bytes_by_format(model)  # a rank's shards: not counted here
     if weight_bytes:
         log.info("weights in memory: %s", describe(weight_bytes))
@@ -230,24 +233,26 @@ def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_
 
 
 def _prepack(model, mode: str, device: torch.device, dtype: torch.dtype, choices: Path | None = None,
-             key: str = "") -> str:
+             key: str = "", invariant: bool = False) -> str:
     """Prepack where it runs: bf16 in place where it measures faster (app/models/prepack.py),
     fp32 as a copy for the engine's batched rows (app/models/batch_rows.py); returns what was done, for the log,
-    /ready and /v1/models."""
+    /ready and /v1/models. `invariant` (BATCH_INVARIANT): only kernels that compute a row the same way at any row
+    count, checked here (app/models/row_check.py)."""
     if mode == "false":
         state = "off: PREPACK=false"
     elif why := prepack_support(device, dtype):  # auto; `true` was refused before loading
         state = f"off: {why}"
     elif dtype == torch.float32:
-        return _pack_fp32_copies(model, strict=mode == "true")
+        return _pack_fp32_copies(model, strict=mode == "true", invariant=invariant)
     else:
-        return _pack_bf16(model, mode, choices, key)
+        return _pack_bf16(model, mode, choices, key, invariant)
     if device.type == "cpu" and dtype == torch.float32:
-        use_batch_rows(model, packed=False)  # a batch's wide linears as `W @ x.T`, which needs no copy
+        # a batch's wide linears as `W @ x.T`, which needs no copy; invariant: every linear, on a kernel checked here
+        use_batch_rows(model, packed=False, invariant=invariant)
     return state
 
 
-def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "") -> str:
+def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "", invariant: bool = False) -> str:
     """PREPACK=true: every linear; auto: the shapes whose packed kernel measured faster here (app/models/prepack.py).
     The measurement is kept in `choices` (in the model cache): a restart on the same CPU packs the same layers,
     whatever else the machine is doing while it starts."""
@@ -267,16 +272,17 @@ def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "") -> 
         if not wins:
             return f"off: plain measured faster on every shape ({measured})"
     try:
-        count = prepack_linears(model, strict=mode == "true", only=only)
+        count = prepack_linears(model, strict=mode == "true", only=only, invariant=invariant)
     except PrepackFailed as err:
         raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
     if not count:
-        return "off: oneDNN refused the reorder (see the log)"
+        variant = ", or its kernel computed a row differently at different row counts (BATCH_INVARIANT)"
+        return f"off: oneDNN refused the reorder{variant if invariant else ''} (see the log)"
     where = f", the shapes where packed measured faster ({measured})" if measured else ""
     return f"on: {count} linear layers{where}"
 
 
-def _pack_fp32_copies(model, strict: bool) -> str:
+def _pack_fp32_copies(model, strict: bool, invariant: bool = False) -> str:
     need, available = copy_bytes(model), psutil.virtual_memory().available
     why = None
     if need > available * FP32_COPY_RAM_FRACTION:
@@ -284,15 +290,20 @@ def _pack_fp32_copies(model, strict: bool) -> str:
                "of RAM available")
     else:
         try:
-            count = use_batch_rows(model, packed=True)
+            count = use_batch_rows(model, packed=True, invariant=invariant)
         except RuntimeError as err:  # the reorder raised, or its products were off: nothing was swapped
             why = str(err)
     if why is None:
-        return f"on: {count} linear layers, with fp32 copies for batched rows ({_size(need)})"
+        kept, variant = copy_bytes_held(model), ("oneDNN's packed fp32 kernel did not compute a row the same way at "
+                                                 "every row count here (BATCH_INVARIANT)")
+        if not kept:
+            return f"off: {variant}"
+        left = "" if kept == need else f"; {_size(need - kept)} of them left out, where {variant}"
+        return f"on: {count} linear layers, with fp32 copies for batched rows ({_size(kept)}){left}"
     if strict:
         raise ConfigError(f"PREPACK=true, but {why}", param="prepack")
     log.warning("prepack: %s; batched rows stay on MKL", why)
-    use_batch_rows(model, packed=False)
+    use_batch_rows(model, packed=False, invariant=invariant)
     return f"off: {why}"
 
 

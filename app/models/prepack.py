@@ -42,6 +42,7 @@ from torch import nn
 
 from app.models.cpu import cpu_features, prepack_support
 from app.models.linears import plain_linears
+from app.models.row_check import choose_split
 
 log = logging.getLogger("app.models.prepack")
 
@@ -53,11 +54,11 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """A drop-in `nn.Linear` (bf16, CPU) whose weight lives only in oneDNN's layout."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # The batch-size hint picks the blocking; 1 (decode) measured fastest here at every size up to 512 rows.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.bias = linear.bias
         self.weight_bytes = linear.weight.numel() * linear.weight.element_size()
 
@@ -95,24 +96,38 @@ class PrepackFailed(RuntimeError):
     """oneDNN refused to reorder a weight on this machine."""
 
 
+# BATCH_INVARIANT: the batch hints tried in turn, per shape. 1 is the speed choice above; oneDNN's fp32 kernel was
+# invariant with 8 and not with 1 on an AVX2 Zen 2 (app/models/batch_rows.py). bf16's is not measured (no native
+# bf16 here): `invariant_hints` checks it on the CPU that runs it.
+INVARIANT_HINTS = (1, 8)
+
+
 @torch.no_grad()
-def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.Linear], bool] | None = None) -> int:
+def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.Linear], bool] | None = None,
+                    invariant: bool = False) -> int:
     """Swap each `nn.Linear` of `model` (or each one `only` accepts) for a `PackedLinear`, in place; returns how many
     were packed.
 
     If oneDNN refuses a reorder, the layers not yet packed stay plain (one log line), or with `strict` it raises
     `PrepackFailed`. Either way each layer is `nn.Linear` or a `PackedLinear` within rounding of it, so the model
-    still runs.
+    still runs. With `invariant` (BATCH_INVARIANT) a shape is packed only with a batch hint under which its packed
+    kernel computes a row the same way at any row count (`invariant_hints`); otherwise it stays plain, and the check
+    of app/models/invariance.py then goes on from `F.linear`.
     """
     packed_count = kept = rounded = tied = 0
+    hints = invariant_hints(model, only) if invariant else {}
     for parent, name, child in _packable(model):
         if child is None:
             tied += 1
             continue
         if only is not None and not only(child):
             continue
+        hint = hints.get(_shape(child)) if invariant else 1
+        if hint is None:
+            continue
         try:
-            packed = PackedLinear(child)
+            packed = PackedLinear(child, hint)
+            packed.invariant_split = "whole" if invariant else None  # checked by invariant_hints
         except RuntimeError as err:  # the CPU checks in app/models/cpu.py should make this unreachable
             if strict:
                 raise PrepackFailed(f"oneDNN could not reorder a bf16 weight here: {err}") from err
@@ -136,6 +151,34 @@ def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.L
         log.info("prepack: %d linear layer(s) share their weight with the input embedding and stay plain", tied)
     log.info("prepack: %d linear layers reordered for oneDNN", packed_count)
     return packed_count
+
+
+def _shape(linear: nn.Linear) -> tuple[int, int, bool]:
+    return linear.out_features, linear.in_features, linear.bias is not None
+
+
+def invariant_hints(model: nn.Module, only: Callable[[nn.Linear], bool] | None = None) -> dict[tuple, int | None]:
+    """Per shape to pack: the first of INVARIANT_HINTS whose packed kernel computes a row the same way at any row
+    count, checked on one layer of the shape (app/models/row_check.py); None where none does."""
+    hints: dict[tuple, int | None] = {}
+    for _, _, linear in _packable(model):
+        if linear is None or (only is not None and not only(linear)) or _shape(linear) in hints:
+            continue
+        hints[_shape(linear)] = None
+        for hint in INVARIANT_HINTS:
+            try:
+                packed = PackedLinear(linear, hint)
+            except RuntimeError:  # refused: prepack_linears says so when it tries
+                break
+            if choose_split(packed, linear.in_features, linear.out_features, linear.weight.dtype,
+                            splits=("whole",))[0] == "whole":
+                hints[_shape(linear)] = hint
+                break
+        if hints[_shape(linear)] is None:
+            log.info("prepack: a %d x %d layer's packed kernel computes a row differently at different row counts "
+                     "here (batch hints %s); that shape stays plain (BATCH_INVARIANT)",
+                     linear.out_features, linear.in_features, ", ".join(map(str, INVARIANT_HINTS)))
+    return hints
 
 
 def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | None]]:

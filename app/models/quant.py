@@ -200,9 +200,15 @@ class DynamicInt8Linear(nn.Module):
     quantization with fbgemm's own kernel (perplexity then +1.15%; one call per row measured +0.13%, but costs a
     call per row). A single row (a one-stream decode step) is its own tensor, so it skips the two extra passes
     (~20 us a call, ~3 ms a decode step).
+
+    `anchored` (BATCH_INVARIANT): even per-row peaks leave the call's one scale and zero point to the rows' own
+    minimum and maximum, so a row's codes still depend on its neighbours. So every call, one row included, appends
+    one anchor row [+1, -1, 0, ...]: with every row divided by its peak, the call's minimum and maximum are then
+    exactly -1 and +1, the scale and zero point always the same, and the integer sums exact, so a row comes out the
+    same, bit for bit, at any row count. The anchor's output row is dropped.
     """
 
-    def __init__(self, linear: nn.Linear, engine: str | None = None):
+    def __init__(self, linear: nn.Linear, engine: str | None = None, anchored: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = _per_channel_int8(linear.weight)
@@ -223,10 +229,20 @@ class DynamicInt8Linear(nn.Module):
         # torch's oneDNN packed weight keeps the int8 original beside its packed copy (for unpack): 2 bytes a weight
         # (measured: 129 MiB of RSS for 64 MiB of int8 weights; fbgemm's 64), which is why fbgemm is the default.
         self.copy_bytes = weight.numel() if self.engine == "onednn" else 0
+        self.anchor: torch.Tensor | None = None  # [1, in]: +1, -1, then zeros
+        if anchored:
+            self.anchor = torch.zeros(1, self.in_features)
+            self.anchor[0, :2] = torch.tensor([1.0, -1.0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
         reduce_range = self.reduce_range
-        if x.numel() == x.shape[-1]:
+        if self.anchor is not None:
+            rows = x.reshape(-1, self.in_features)
+            peak = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+            scaled = torch.cat([rows / peak, self.anchor])  # [rows + 1, in], within [-1, 1]: the anchor spans it
+            out = torch.ops.quantized.linear_dynamic(scaled, self.packed, reduce_range)[:-1].mul_(peak)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+        elif x.numel() == x.shape[-1]:
             out = torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range)
         else:
             peak = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
@@ -235,7 +251,7 @@ class DynamicInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"engine={self.engine}")
+                f"engine={self.engine}, anchored={self.anchor is not None}")
 
 
 @contextlib.contextmanager
@@ -249,20 +265,20 @@ def _quantized_engine(engine: str) -> Iterator[None]:
         torch.backends.quantized.engine = before
 
 
-def _dynamic_linear(linear: nn.Linear, engine: str) -> DynamicInt8Linear:
+def _dynamic_linear(linear: nn.Linear, engine: str, anchored: bool = False) -> DynamicInt8Linear:
     try:
-        return DynamicInt8Linear(linear, engine)
+        return DynamicInt8Linear(linear, engine, anchored)
     except RuntimeError as err:  # oneDNN refused this weight: fbgemm has kernels wherever AVX2 is
         fallback = next((e for e in ("x86", "fbgemm") if e in torch.backends.quantized.supported_engines), None)
         if engine == "onednn" and fallback:
             log.warning("quant=int8: oneDNN could not pack a %d x %d weight (%s); it runs on %s",
                         linear.out_features, linear.in_features, err, fallback)
-            return DynamicInt8Linear(linear, fallback)
+            return DynamicInt8Linear(linear, fallback, anchored)
         raise
 
 
 def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto",
-                     wide_copy: bool = False) -> str:
+                     wide_copy: bool = False, batch_invariant: bool = False) -> str:
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
     With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
     Then nothing of the loaded weights is kept (`keep_own_copies`) and the embedding table is held once
@@ -272,6 +288,9 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
     wide_copy (int4, INT4_WIDE_COPY): a bf16 copy of the 4-bit weights for calls of many rows, where the CPU
     multiplies bf16 natively.
+    batch_invariant (BATCH_INVARIANT): dynamic int8 with its anchor row (DynamicInt8Linear), and never int4's
+    bf16 copy, which computes a row of a wide call otherwise than the same row alone. Whether each kernel then
+    computes a row the same way at any row count is checked after (app/models/invariance.py).
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
@@ -284,12 +303,13 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     four_bits = 0
     if mode == "int4":
         head, bf16 = model.get_output_embeddings(), cpu_features().native_bf16
-        wide = bool(wide_copy and bf16)
+        wide = bool(wide_copy and bf16 and not batch_invariant)
         four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=wide),
                                   lambda linear: linear is not head and linear.in_features % INT4_GROUP == 0)
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
                  "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
-                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(), _wide_copy_note(model, wide_copy, bf16))
+                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(),
+                 _wide_copy_note(model, wide_copy, bf16, batch_invariant))
     if kernel == "auto":
         kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
     why = "weight-only"
@@ -297,7 +317,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
         chosen, why = int8_engine() if engine == "auto" else (engine, f"engine={engine} was asked for")
         if chosen is None:
             raise ValueError(f"dynamic int8 cannot run here: {why}")
-        make = functools.partial(_dynamic_linear, engine=chosen)
+        make = functools.partial(_dynamic_linear, engine=chosen, anchored=batch_invariant)
     else:
         make = WeightOnlyInt8Linear
     _untie_lm_head(model)
@@ -309,12 +329,15 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     return kernel
 
 
-def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None) -> str:
+def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None, batch_invariant: bool = False) -> str:
     """What the start log says of INT4_WIDE_COPY: what it costs where it is on, why not where it is off."""
     copies = sum(m.copy_bytes for m in model.modules() if isinstance(m, Int4Linear))
     if copies:
         return (f"INT4_WIDE_COPY: calls of more than {Int4Linear.DECODE_ROWS} rows on a bf16 copy of the same "
                 f"weights ({bf16}), {copies / 2**20:,.1f} MiB more memory")
+    if asked and batch_invariant:
+        return ("INT4_WIDE_COPY asked for, but BATCH_INVARIANT is on: every call on the int4 kernel (the copy would "
+                "compute a row of a wide call otherwise than the same row alone)")
     if asked:
         return "INT4_WIDE_COPY asked for, but no native bf16 matmul here for a copy: every call on the int4 kernel"
     return "every call on it: no bf16 copy (INT4_WIDE_COPY=false)"

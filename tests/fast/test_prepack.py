@@ -205,7 +205,7 @@ def test_prepack_setting_rejects_other_values(monkeypatch):
 
 def test_a_reorder_that_raises_leaves_plain_layers_and_one_log_line(tiny_tokenizer, monkeypatch, caplog):
     """What an AVX2-only CPU did before: oneDNN's reorder raised and the server died while loading."""
-    def refuse(self, linear):
+    def refuse(self, linear, *hint):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
                            "avx512bw, avx512vl and avx512dq")
 
