@@ -20,8 +20,9 @@ from app.core.engine.step import align_to_pieces
 from app.core.runner.pieces import PIECE, Call, call_keys, invariant_calls
 from app.core.sampling import SamplingParams
 from app.errors import ConfigError
-from app.models.loading import LoadedModel
-from conftest import build_tiny_model
+from app.models.fetch import fetch_model
+from app.models.loading import LoadedModel, load_model
+from conftest import MODEL_CACHE, build_tiny_model
 
 LENGTHS = (3, 20, 45, 130, 200)
 N = 24
@@ -184,3 +185,42 @@ def test_the_compiled_decode_step_is_refused_under_batch_invariance(tiny_tokeniz
     with pytest.raises(ConfigError) as caught:
         run_rounds(bf16_lm(tiny_tokenizer, True), [], [], decode_step="compiled")
     assert caught.value.param == "decode_step" and "BATCH_INVARIANT" in str(caught.value)
+
+
+# SmolLM2-135M in bf16: prompts of ~30 to ~280 tokens (the chat template's own tokens included)
+HASH_MAP = ("Explain in detail how a hash map works, what a collision is, and how open addressing and chaining "
+            "resolve collisions. ")
+REAL_TEXTS = ("Hi!", HASH_MAP * 3, HASH_MAP * 8, "Repeat after me: " + "one two three four five. " * 40)
+
+
+@pytest.fixture(scope="module")
+def smollm_bf16_invariant():
+    lm = load_model(str(fetch_model("smollm2-135m-instruct", MODEL_CACHE)), device="cpu", dtype="bfloat16",
+                    batch_invariant="on")
+    return lm, [lm.encode_chat([{"role": "user", "content": text}]) for text in REAL_TEXTS]
+
+
+def real_requests(prompts, temperature: float) -> list[tuple[list[int], SamplingParams]]:
+    return [(p, SamplingParams(max_tokens=16, temperature=temperature, seed=100 + i, logprobs=True,
+                               ignore_eos=True)) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.real_model
+def test_smollm_greedy_alone_amid_others_from_the_prefix_cache_and_speculated_are_bit_identical(
+        smollm_bf16_invariant):
+    """Measured with BATCH_INVARIANT off: 3 of 5 such prompts changed logprobs amid the others (one its tokens),
+    and all 5 with speculation on."""
+    lm, prompts = smollm_bf16_invariant
+    (alone, warm), cached, _ = run_rounds(lm, real_requests(prompts, 0.0), [False, True],
+                                          prefix_cache_bytes=1 << 26)
+    (speculated,), _, engine = run_rounds(lm, real_requests(prompts, 0.0), [True], speculative="ngram")
+    assert all(n > 0 for n in cached[1]) and engine.metrics.accepted_tokens._value.get() > 0
+    assert warm == alone and speculated == alone
+
+
+@pytest.mark.real_model
+def test_smollm_seeded_samples_repeat_alone_under_load_and_with_speculation(smollm_bf16_invariant):
+    lm, prompts = smollm_bf16_invariant
+    (alone, together), _, _ = run_rounds(lm, real_requests(prompts, 0.7), [False, True])
+    (speculated,), _, _ = run_rounds(lm, real_requests(prompts, 0.7), [True], speculative="ngram")
+    assert together == alone and speculated == alone
