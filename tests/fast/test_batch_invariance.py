@@ -22,6 +22,7 @@ from app.core.sampling import SamplingParams
 from app.errors import ConfigError
 from app.models.fetch import fetch_model
 from app.models.loading import LoadedModel, load_model
+from arch_models import build
 from conftest import MODEL_CACHE, build_tiny_model
 
 LENGTHS = (3, 20, 45, 130, 200)
@@ -224,3 +225,30 @@ def test_smollm_seeded_samples_repeat_alone_under_load_and_with_speculation(smol
     (alone, together), _, _ = run_rounds(lm, real_requests(prompts, 0.7), [False, True])
     (speculated,), _, _ = run_rounds(lm, real_requests(prompts, 0.7), [True], speculative="ngram")
     assert together == alone and speculated == alone
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3_text", "gemma2"])
+def test_other_attention_kinds_are_bit_identical_alone_and_amid_others(tiny_tokenizer, prompts, family):
+    """deepseek_v3: multi-head latent attention (the pass cuts the keys the model expands from the joined latents);
+    gemma3_text: sliding-window layers, whose caches keep only their window (a call's keys start past 0);
+    gemma2: sliding windows on the eager function (soft-capping)."""
+    model = build(family, len(tiny_tokenizer)).to(torch.bfloat16)
+    lm = LoadedModel(model=model, tokenizer=tiny_tokenizer, name=family, max_context=256, eos_ids=(),
+                     batch_invariant=True)
+    (alone, together), _, engine = run_rounds(lm, greedy(prompts), [False, True])
+    assert engine.batch_decode
+    assert together == alone
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["qwen2", "deepseek_v3", "gemma3_text", "gemma2"])
+def test_invariant_attention_in_fp32_gives_generates_greedy_tokens(tiny_tokenizer, prompts, family):
+    """The split into pieces and rows computes the same attention, only in fixed calls: the fp32 oracle holds."""
+    model = build(family, len(tiny_tokenizer))
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    lm = LoadedModel(model=model, tokenizer=tiny_tokenizer, name=family, max_context=256, eos_ids=(),
+                     batch_invariant=True)
+    (alone, together), _, _ = run_rounds(lm, greedy(prompts), [False, True])
+    assert [[token for token, _ in answer] for answer in alone + together] == expected * 2
