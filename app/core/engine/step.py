@@ -262,7 +262,7 @@ class StepRunner:
         """Logits at each row's last fed position, or its last 1 + k to verify k drafts (app/core/runner/forward.py)."""
         logits, path = run_pass(self.lm.model, [(seq, n) for _, seq, n, _ in group],
                                 [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group], self.static_decode,
-                                invariant=self.lm.batch_invariant)
+                                self.lm.batch_invariant)
         if all(n == 1 and not seq.prefilling for _, seq, n, _ in group):
             self.metrics.decode_steps.labels(path=path).inc()
         return logits
