@@ -252,3 +252,26 @@ def test_invariant_attention_in_fp32_gives_generates_greedy_tokens(tiny_tokenize
                      batch_invariant=True)
     (alone, together), _, _ = run_rounds(lm, greedy(prompts), [False, True])
     assert [[token for token, _ in answer] for answer in alone + together] == expected * 2
+
+
+def test_tensor_parallel_followers_run_rank_0s_passes_invariant_too(tiny_tokenizer, prompts, monkeypatch):
+    """Every rank must take the same attention calls (they run the same collectives): a follower replays rank 0's
+    passes with the flag it loaded with (BATCH_INVARIANT comes from the same settings on every rank), and its
+    copy of each request holds the tokens rank 0 fed."""
+    import dataclasses
+
+    import app.core.engine.tensor_parallel as tp
+    from test_tensor_parallel import ListRanks
+
+    lm = bf16_lm(tiny_tokenizer, True)
+    ranks = ListRanks()
+    run_rounds(dataclasses.replace(lm, ranks=ranks), greedy(prompts[:3]), [True])
+    flags, real_pass = [], tp.run_pass
+    monkeypatch.setattr(tp, "run_pass", lambda *args, **kwargs: (flags.append(kwargs.get("invariant")),
+                                                                 real_pass(*args, **kwargs))[1])
+    held = tp.follow(dataclasses.replace(lm, ranks=ListRanks(ranks.sent)))
+    assert flags and all(flags)
+    (alone,), _, _ = run_rounds(lm, greedy(prompts[:3]), [False])
+    for mirror in held.values():  # the requests that finished in the last step: their last token was never fed
+        fed = mirror.token_ids[0, : mirror.cache.get_seq_length()].tolist()
+        assert any(fed == p + [token for token, _ in answer[:-1]] for p, answer in zip(prompts, alone))
