@@ -22,6 +22,9 @@ against 77 ms with one SDPA call per request); each prefill chunk gets its own c
 bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
 
+With BATCH_INVARIANT on (`PackedCaches` given the rows' positions), none of that padding or chunk-sized calls:
+each request's rows attend in calls fixed by its own positions (app/core/runner/pieces.py), on either function.
+
 Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) caches a compressed latent and one shared rotary key per
 token, and the model expands them into keys and values of different sizes after the cache returns them; it cannot
 expand a `PerRequest`. For such a model `PackedCaches.update` returns every request's latents joined into one row
