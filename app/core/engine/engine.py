@@ -186,9 +186,8 @@ class Engine:
             if self.adapters is not None:  # before the compiled step is traced: it sees the wrapped layers
                 self.adapters.attach(self.lm.model)
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
-            if self.lm.batch_invariant and not self.batch_decode:
-                log.warning("BATCH_INVARIANT is on, but this model runs one request per pass on its own attention: "
-                            "a prompt's chunks still depend on what else prefills")
+            if self.lm.batch_invariant and not self.batch_decode:  # its chunks' attention depends on the budget
+                log.warning("BATCH_INVARIANT is on, but this model runs one request per pass on its own attention")
             self._set_up_kv_budget()
             self._set_up_shortcuts()
             self._export_kv_cache_gauges()
@@ -270,9 +269,7 @@ class Engine:
         reserve the rest, each its worst case as always, so KV memory stays within KV_CACHE_BYTES."""
         if self.decode_step != "compiled":
             return None
-        if self.lm.batch_invariant:
-            # Its rows share fused kernels over a batch bucket and a padded block table, so a row's numbers depend
-            # on how many others decode with it: the opposite of what BATCH_INVARIANT promises.
+        if self.lm.batch_invariant:  # a row's numbers would depend on its batch bucket and the block table's width
             raise ConfigError("DECODE_STEP=compiled runs decode rows in shapes padded to the batch, which "
                               "BATCH_INVARIANT=on rules out; set DECODE_STEP=eager or BATCH_INVARIANT=off",
                               param="decode_step")
