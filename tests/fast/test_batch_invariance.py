@@ -267,7 +267,7 @@ def test_tensor_parallel_followers_run_rank_0s_passes_invariant_too(tiny_tokeniz
     ranks = ListRanks()
     run_rounds(dataclasses.replace(lm, ranks=ranks), greedy(prompts[:3]), [True])
     flags, real_pass = [], tp.run_pass
-    monkeypatch.setattr(tp, "run_pass", lambda *args, **kwargs: (flags.append(kwargs.get("invariant")),
+    monkeypatch.setattr(tp, "run_pass", lambda *args, **kwargs: (flags.append(args[4]),
                                                                  real_pass(*args, **kwargs))[1])
     held = tp.follow(dataclasses.replace(lm, ranks=ListRanks(ranks.sent)))
     assert flags and all(flags)
