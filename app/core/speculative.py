@@ -15,6 +15,8 @@ Why the output is unchanged: each emitted token is chosen from logits over exact
 same rule and with the same draw from the request's generator as without speculation. So greedy tokens are the
 same, and a seeded sampled request gets the same tokens too, up to rounding: a verify row computes the same logits
 as k + 1 decode steps would, in one matrix product instead of several (tests/fast/test_speculative.py measures it).
+With BATCH_INVARIANT on, exactly: each verify row attends in a call of its own, as the decode row at its position
+would (app/core/runner/pieces.py), and the linears compute a row the same way at any row count.
 Each token still goes through `Sequence.accept`, so EOS, max_tokens and stop strings end the step at once, and
 nothing past a stop is ever emitted.
 

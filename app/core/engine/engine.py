@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from app.errors import Overloaded, QueueTimeout, ServeError, ShuttingDown
+from app.errors import ConfigError, Overloaded, QueueTimeout, ServeError, ShuttingDown
 from app.core.runner.packed import enable_packed_batching
 from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
@@ -186,6 +186,8 @@ class Engine:
             if self.adapters is not None:  # before the compiled step is traced: it sees the wrapped layers
                 self.adapters.attach(self.lm.model)
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
+            if self.lm.batch_invariant and not self.batch_decode:  # its chunks' attention depends on the budget
+                log.warning("BATCH_INVARIANT is on, but this model runs one request per pass on its own attention")
             self._set_up_kv_budget()
             self._set_up_shortcuts()
             self._export_kv_cache_gauges()
@@ -267,6 +269,10 @@ class Engine:
         reserve the rest, each its worst case as always, so KV memory stays within KV_CACHE_BYTES."""
         if self.decode_step != "compiled":
             return None
+        if self.lm.batch_invariant:  # a row's numbers would depend on its batch bucket and the block table's width
+            raise ConfigError("DECODE_STEP=compiled runs decode rows in shapes padded to the batch, which "
+                              "BATCH_INVARIANT=on rules out; set DECODE_STEP=eager or BATCH_INVARIANT=off",
+                              param="decode_step")
         step = build_decode_step(self.lm, self.max_active, self.kv_budget.capacity // 2, batch_decode=self.batch_decode)
         if step is not None:
             self.kv_budget.set_aside(step.pool, step.pool.nbytes)

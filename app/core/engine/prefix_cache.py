@@ -27,7 +27,9 @@ one-off tails go first (a FIFO would evict it first: see tests/fast/test_prefix_
 Exactness: the cached KV is bit-for-bit what the request would have computed itself, but the rest of the prompt is
 then prefilled as a chunk that attends to it rather than in one piece with it. In fp32 that gave the same greedy
 tokens in our tests (tiny model, Qwen2.5-0.5B; tests/fast/test_prefix_cache.py); in bf16 the logits may differ by
-rounding, as with any change of chunking.
+rounding, as with any change of chunking. With BATCH_INVARIANT on, exactly the same: a prompt's attention runs in
+16-token pieces at fixed positions (app/core/runner/pieces.py) however it is chunked, a hit ends on a piece, and
+only prompt blocks are inserted (a generated token's keys come from a decode row, not from a piece).
 
 Models with sliding-window layers are not cached: their DynamicCache keeps only the last window of keys, so the full
 prefix is not there to store.

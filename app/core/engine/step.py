@@ -29,6 +29,7 @@ import torch
 
 from app.core.engine.faults import cache_lengths, is_out_of_memory, release_cached_memory, roll_back
 from app.core.runner.forward import run_pass
+from app.core.runner.pieces import PIECE
 from app.core.sequence import Sequence, TokenEvent, choose_many
 from app.core.engine.handle import RequestHandle
 from app.core.engine.kv_budget import KVBudget
@@ -94,6 +95,18 @@ def share_prefill(budget: int, left: list[int]) -> list[int]:
     return shares
 
 
+def align_to_pieces(shares: list[int], done: list[int], left: list[int], piece: int = PIECE) -> list[int]:
+    """BATCH_INVARIANT: each prefill share cut back so that its chunk ends on a multiple of `piece` or at its
+    prompt's end (`done`: each one's prompt tokens already in its cache). Its attention is then the same pieces
+    however the prompt is split into steps (app/core/runner/pieces.py). If that leaves nothing to feed (a budget
+    under one piece), the oldest still feeds up to its next multiple, so every prompt moves on."""
+    aligned = [share if share == rest else max(0, (start + share) // piece * piece - start)
+               for share, start, rest in zip(shares, done, left)]
+    if left and not any(aligned):
+        aligned[0] = min(left[0], piece - done[0] % piece)
+    return aligned
+
+
 @dataclass
 class StepRunner:
     """Runs the engine's steps. It keeps no request between steps: each step's batch comes from the engine."""
@@ -132,11 +145,14 @@ class StepRunner:
                 continue  # it failed, alone
             running.append((handle, seq))
         prefilling = [(handle, seq) for handle, seq in running if seq.prefilling]
-        shares = share_prefill(self.prefill_tokens_per_step,
-                               [seq.prompt_len - seq.cache.get_seq_length() for _, seq in prefilling])
+        done = [seq.cache.get_seq_length() for _, seq in prefilling]
+        left = [seq.prompt_len - n for (_, seq), n in zip(prefilling, done)]
         # a prompt being scored computes lm_head at each position it feeds: its chunks are capped, and so its logits
-        chunks = {handle: min(n, PROMPT_LOGPROBS_CHUNK) if seq.prompt_logprobs is not None else n
-                  for (handle, seq), n in zip(prefilling, shares)}
+        shares = [min(n, PROMPT_LOGPROBS_CHUNK) if seq.prompt_logprobs is not None else n
+                  for (_, seq), n in zip(prefilling, share_prefill(self.prefill_tokens_per_step, left))]
+        if self.lm.batch_invariant:
+            shares = align_to_pieces(shares, done, left)
+        chunks = {handle: n for (handle, _), n in zip(prefilling, shares)}
         work = []
         for handle, seq in running:
             drafts: list[int] = []
@@ -163,7 +179,9 @@ class StepRunner:
                     self.fail([handle], event)
                     continue
                 self.emit(handle, event)
-                if event.finish_reason:  # a later turn of this conversation starts with all of it
+                # a later turn of this conversation starts with all of it; not under BATCH_INVARIANT, where the
+                # generated tokens' keys (decode rows) are not what a prompt's prefill pieces compute
+                if event.finish_reason and not self.lm.batch_invariant:
                     self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
 
     def _start(self, handle: RequestHandle) -> Sequence | None:
@@ -243,7 +261,8 @@ class StepRunner:
     def _forward(self, group: list[Work]) -> torch.Tensor:
         """Logits at each row's last fed position, or its last 1 + k to verify k drafts (app/core/runner/forward.py)."""
         logits, path = run_pass(self.lm.model, [(seq, n) for _, seq, n, _ in group],
-                                [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group], self.static_decode)
+                                [seq.n_out(n, len(drafts)) for _, seq, n, drafts in group], self.static_decode,
+                                self.lm.batch_invariant)
         if all(n == 1 and not seq.prefilling for _, seq, n, _ in group):
             self.metrics.decode_steps.labels(path=path).inc()
         return logits

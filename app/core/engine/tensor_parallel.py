@@ -147,7 +147,8 @@ def follow(lm: LoadedModel) -> dict[int, Mirror]:
             mirror.feed(start, tokens, length)
             work.append((mirror, len(tokens), n_out))
         try:
-            run_pass(model, [(mirror, n) for mirror, n, _ in work], [n_out for *_, n_out in work])
+            run_pass(model, [(mirror, n) for mirror, n, _ in work], [n_out for *_, n_out in work], None,
+                     lm.batch_invariant)  # BATCH_INVARIANT: loaded from the same settings as rank 0's
         except Exception as err:  # noqa: BLE001 - rank 0's pass likely raised too; it says so with ("sync",)
             log.warning("tensor parallel: rank %d: a pass raised: %s", ranks.rank, _first_line(err))
 

@@ -16,6 +16,10 @@ follower call it, so all ranks take the same path on the same inputs.
 A row's sequence may carry a LoRA adapter (`seq.adapter`): the pass adds each row's own low-rank product to the
 body's linears (app/models/lora_layers.py), so rows of different adapters and the base share one pass.
 
+`invariant` (BATCH_INVARIANT, `LoadedModel.batch_invariant`): every row's numbers are fixed by its own request,
+whatever shares the pass. One row packs too (the solo pass is another attention path than the packed one), and
+attention runs in calls fixed by absolute positions (app/core/runner/pieces.py).
+
 `engine_pass`: in fp32 on a CPU, the engine's passes take several rows of a linear on faster kernels
 (app/models/batch_rows.py), which round differently, as any batching does. `generate()` passes False: its one row
 is always the solo pass on `nn.Linear`'s own arithmetic, so it keeps `model.generate()`'s tokens bit for bit.
@@ -38,7 +42,7 @@ from app.models.logits import logits_from_hidden
 
 @torch.inference_mode()
 def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
-            engine_pass: bool = True) -> torch.Tensor:
+            engine_pass: bool = True, invariant: bool = False) -> torch.Tensor:
     """Feed each sequence its next `n` tokens; float32 logits at each one's last `n_out[i]` fed positions (default
     1), stacked in order: [sum(n_out), vocab]. Only those positions go through lm_head."""
     n_out = n_out or [1] * len(work)
@@ -49,7 +53,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     for seq, n in work:
         cached = seq.cache.get_seq_length()
         items.append((seq.token_ids[0, cached : cached + n], cached))  # ([n] token ids, first position)
-    if len(work) == 1 and not (engine_pass and packed and decode_matmuls(device, model.dtype)):
+    if len(work) == 1 and not (engine_pass and packed and (invariant or decode_matmuls(device, model.dtype))):
         (seq, _), ((tokens, start),) = work[0], items  # the solo pass: the row's own cache, no mask to build
         inputs = {"input_ids": tokens[None, :], "cache": seq.cache,  # [1, n]
                   "position_ids": torch.arange(start, start + len(tokens), device=device)[None, :]}
@@ -59,8 +63,10 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
             raise ValueError("several rows in one pass need packed attention (enable_packed_batching)")
         inputs = packed_inputs(items, device)  # [1, T_total], each row at its own positions
         spans = inputs.pop("spans")
+        starts = [start for _, start in items] if invariant else None  # a row feeds its prompt below its length
+        prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)] if invariant else None
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
-                                       latent=latent_kv(model.config) is not None)
+                                       latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill)
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
@@ -71,7 +77,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
 
 
 def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
-             compiled=None) -> tuple[torch.Tensor, str]:
+             compiled=None, invariant: bool = False) -> tuple[torch.Tensor, str]:
     """The dispatcher for every serving pass: (logits as `forward` returns them, the path that ran them).
 
     `compiled`: a StaticDecodeStep, or None. It takes a pass where every row decodes one token and the pool
@@ -84,4 +90,4 @@ def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None
             if logits is not None:
                 return logits, compiled.path
         compiled.make_room(work)
-    return forward(model, work, n_out), "eager"
+    return forward(model, work, n_out, invariant=invariant), "eager"

@@ -22,6 +22,9 @@ against 77 ms with one SDPA call per request); each prefill chunk gets its own c
 bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
 
+With BATCH_INVARIANT on (`PackedCaches` given the rows' positions), none of that padding or chunk-sized calls:
+each request's rows attend in calls fixed by its own positions (app/core/runner/pieces.py), on either function.
+
 Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) caches a compressed latent and one shared rotary key per
 token, and the model expands them into keys and values of different sizes after the cache returns them; it cannot
 expand a `PerRequest`. For such a model `PackedCaches.update` returns every request's latents joined into one row
@@ -41,6 +44,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from app.core.runner.pieces import Call, attend_in_calls, invariant_calls
 
 PACKED = "simple_serve_packed"
 PACKED_EAGER = "simple_serve_packed_eager"  # packed, each request's attention on the model's own eager function
@@ -75,7 +80,10 @@ class PackedCaches:
     is_compileable = False
 
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
-                 windows: Sequence[int | None] | None = None, latent: bool = False):
+                 windows: Sequence[int | None] | None = None, latent: bool = False,
+                 starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None):
+        """`starts` (each request's first absolute position) and `prefill` (whether it feeds prompt tokens): given
+        under BATCH_INVARIANT, whose attention calls they fix (app/core/runner/pieces.py)."""
         self.caches = list(caches)
         self.latent = latent  # MLA: `update` joins the requests' latents; `lengths` says where to cut them again
         self.lengths: dict[int, list[int]] = {}
@@ -85,6 +93,8 @@ class PackedCaches:
         self.chunks = [i for i, (start, end) in enumerate(spans) if end - start > 1]
         self.decode_rows = torch.tensor([spans[i][0] for i in self.decoding], device=device)  # once per step
         self._masks: dict[tuple, torch.Tensor | None] = {}
+        self.starts = list(starts) if starts is not None else None
+        self.calls = invariant_calls(spans, self.starts, list(prefill)) if starts is not None else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
@@ -163,6 +173,16 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     step, window = key.step, key.window
+    if step.calls is not None:  # BATCH_INVARIANT
+        def attend(q, k, v, call: Call) -> torch.Tensor:
+            if call.as_decode and decode_matmuls(q.device, q.dtype):  # a decode row, as the batched path takes it
+                o = grouped_decode_attention(q, k.float(), v.float(), None, scaling or q.shape[-1] ** -0.5)
+                return o[:, None].to(q.dtype)  # [1, 1, heads, d_v]
+            mask = None if call.as_decode else step.chunk_mask(q.shape[2], k.shape[-2], window)
+            return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+
+        return attend_in_calls(step.calls, step.starts, step.spans, query, key.tensors, value.tensors, window,
+                               attend), None
     # [1, T_total, heads, value head_dim]: MLA's values are not the size of its keys and queries
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     if step.decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
@@ -193,10 +213,10 @@ def decode_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype != torch.float32
 
 
-def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                              scaling: float) -> torch.Tensor:
     """One query per request, grouped-query attention as two fp32 matmuls: q [B, heads, 1, d], k and v
-    [B, kv_heads, width, d] fp32, additive mask [B, 1, 1, width] fp32 -> [B, heads, d] fp32.
+    [B, kv_heads, width, d] fp32, additive mask [B, 1, 1, width] fp32 (None: every key seen) -> [B, heads, d] fp32.
 
     Why: torch's CPU SDPA is slow for one bf16 query over a long cache (measured 29 of a 54 ms decode step at
     2,000 tokens). Each KV head serves its group of query heads without repeating its keys.
@@ -205,7 +225,9 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     batch, kv_heads, _, dim = k.shape
     grouped = q.reshape(batch, kv_heads, -1, dim).float()  # [B, kv_heads, groups, d]: heads h*g..h*g+g-1 share h
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling).add_(mask)  # [B, kv_heads, groups, width]
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling)  # [B, kv_heads, groups, width]
+    if mask is not None:
+        scores.add_(mask)
     return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, v.shape[-1])  # d_v: MLA's differs from d
 
 
@@ -230,6 +252,13 @@ def packed_eager_attention(module, query, key, value, attention_mask, dropout: f
     if not isinstance(key, PerRequest):  # a solo pass: exactly the model's own eager attention
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     step, window = key.step, key.window
+    if step.calls is not None:  # BATCH_INVARIANT: the same per-request calls, on the eager function
+        def attend(q, k, v, call: Call) -> torch.Tensor:
+            mask = step.eager_mask(q.shape[2], k.shape[-2], window, q.dtype)  # a decode row's keys are cut already
+            return eager(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+        return attend_in_calls(step.calls, step.starts, step.spans, query, key.tensors, value.tensors, window,
+                               attend), None
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     for i, (start, end) in enumerate(step.spans):
         k, v = key.tensors[i], value.tensors[i]
