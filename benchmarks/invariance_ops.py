@@ -135,14 +135,11 @@ def compare_runs(lm, prompts: list[list[int]], target: int, steps: int, keep: tu
 
 
 def engine_pass(lm):
-    """The engine's pass as its StepRunner calls it: `run_pass` with the model's BATCH_INVARIANT where `run_pass`
-    takes it (the engine's invariant mode packs one row too, and cuts attention by absolute positions)."""
-    import inspect
-
+    """The engine's pass as its StepRunner calls it: `run_pass` with the model's BATCH_INVARIANT (the engine's
+    invariant mode packs one row too, and cuts attention by absolute positions)."""
     from app.core.runner.forward import run_pass
 
-    extra = ({"invariant": lm.batch_invariant} if "invariant" in inspect.signature(run_pass).parameters else {})
-    return lambda work: run_pass(lm.model, work, **extra)[0]
+    return lambda work: run_pass(lm.model, work, None, None, lm.batch_invariant)[0]
 
 
 def first_difference(alone: dict, packed: dict) -> StepKey | None:

@@ -13,6 +13,8 @@ still gets invariant answers, only slower. The kernels, and what loading did for
 - fp32 on a CPU: the engine's passes on oneDNN's packed copy (app/models/batch_rows.py chooses, copy or not);
   outside them (`generate()`, the oracle) `F.linear`, bit for bit `model.generate()`;
 - bf16 prepacked in place: only with a batch hint whose packed kernel passes (app/models/prepack.py), else plain;
+  on a CPU with native bf16, every bf16 call in fixed tiles (`_half_on_native_cpu`: whole calls varied on an AMX
+  Xeon at row counts the check does not sample);
 - QUANT=int8 dynamic: an anchor row fixes the call's quantization scale (app/models/quant.py DynamicInt8Linear);
   weight-only int8 and int4 as they are; int4 never on the INT4_WIDE_COPY copy. lm_head included.
 Measured on this project's AVX2 Zen 2: every one of these passes whole. Checking the default model's six shapes
@@ -30,9 +32,10 @@ import torch
 from torch import nn
 
 from app.models.batch_rows import BatchRowsLinear
+from app.models.cpu import cpu_features
 from app.models.prepack import PackedLinear
 from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
-from app.models.row_check import CHECK_ROWS, TILE_ROWS, RowSplitLinear, choose_split, rows_to_check
+from app.models.row_check import CHECK_ROWS, SPLITS, TILE_ROWS, RowSplitLinear, choose_split, rows_to_check
 
 log = logging.getLogger("app.models.invariance")
 
@@ -81,6 +84,23 @@ def _device(layer: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
+def _half_on_native_cpu(layer: nn.Module) -> bool:
+    """A bf16/fp16 linear on a CPU that multiplies bf16 natively (AVX512_BF16, AMX): it runs in fixed tiles.
+
+    Why not whole calls there: on an AMX Xeon (16 threads, torch 2.11; `python -m benchmarks invariance --kernels`
+    through the device tool), oneDNN's packed bf16 kernel with batch hint 8 passed at 1 to 64 and 129 rows and
+    differed at 65 and 200, and a served random-weight Qwen2.5-0.5B with whole calls still differed under load at
+    layer 0's q_proj during a prefill (`--ops`). A check samples row counts; a call of exactly TILE_ROWS rows is
+    the same call at every step, so checking each position of a tile covers every call there is. What it costs
+    there: a decode step of 1 to 8 rows is one tile (the same time as one row, measured), a 128-row prefill chunk
+    16 calls instead of one."""
+    weight = getattr(layer, "packed_weight", None)
+    if weight is None:
+        weight = getattr(layer, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
+            and weight.device.type == "cpu" and cpu_features().native_bf16 is not None)
+
+
 @torch.no_grad()
 def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool = False) -> str:
     """Give every linear a way to compute a row the same way at any row count: the kernels that loading chose
@@ -95,11 +115,13 @@ def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool =
     for parent, name, layer in _linears(model):
         split = layer.invariant[1] if isinstance(layer, BatchRowsLinear) and layer.invariant else None
         split = split or getattr(layer, "invariant_split", None)
-        if split is None:
+        fixed_tiles = _half_on_native_cpu(layer)
+        if split is None or (fixed_tiles and split == "whole"):
             key = (type(layer), layer.out_features, layer.in_features, getattr(layer, "bias", None) is not None,
                    getattr(layer, "engine", None))
             if key not in plans:
-                plans[key] = choose_split(layer, layer.in_features, layer.out_features, dtype, device=_device(layer))
+                plans[key] = choose_split(layer, layer.in_features, layer.out_features, dtype,
+                                          splits=SPLITS[1:] if fixed_tiles else SPLITS, device=_device(layer))
                 if plans[key][1] is not None:
                     log.info("batch invariance: %s (%d x %d) computes a row differently depending on the call's "
                              "row count (first seen at %d rows); it runs %s", kernel_name(layer), layer.out_features,

@@ -139,3 +139,20 @@ def test_use_batch_rows_plans_each_shape_once(monkeypatch):
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 6))
     assert use_batch_rows(model, packed=True, invariant=True) == 3
     assert len(plans) == 2 and all(m.invariant is not None for m in model)
+
+
+def test_bf16_runs_in_fixed_tiles_where_the_cpu_multiplies_bf16_natively(tiny_tokenizer, monkeypatch):
+    """On an AMX Xeon, oneDNN's bf16 kernel passed the check's row counts and still differed at others (65, 200
+    rows), and a served model differed under load: there every bf16 call is a fixed tile of TILE_ROWS rows, a
+    call the check covers whole. Where bf16 is not native (a Zen 3, by its flags) whole calls stay, as checked."""
+    from app.models import cpu, invariance
+    from cpu_flags import ZEN3_FLAGS
+
+    for flags, expected in ((SAPPHIRE_RAPIDS_FLAGS, {"tiles"}), (ZEN3_FLAGS, {"whole"})):
+        monkeypatch.setattr(invariance, "cpu_features", lambda flags=flags: cpu.features_from_cpuinfo(flags))
+        model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
+        make_linears_invariant(model, torch.bfloat16)
+        layers = first_layer_and_head(model)
+        assert {getattr(m, "split", "whole") for m in layers.values()} == expected
+        for name, layer in layers.items():
+            assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
