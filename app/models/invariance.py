@@ -46,15 +46,29 @@ SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (
                "rows": "one call per row (each row reads the weights again: a 128-row prefill chunk ~100x slower)"}
 
 
-def resolve_batch_invariant(mode: str, device: torch.device) -> tuple[bool, str]:
-    """(on?, why) for BATCH_INVARIANT=`mode` on `device`."""
+def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
+                            decode_step: str = "eager", sharded: bool = False) -> tuple[bool, str]:
+    """(on?, why) for BATCH_INVARIANT=`mode`. `auto` is on only where its cost was measured at most 10% (issue 48's
+    rule): on a CPU in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at
+    1 stream, 1.12x at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call
+    beats padding to the longest row). Elsewhere `auto` is off, and the reason says why."""
     if mode not in INVARIANT_MODES:
         raise ValueError(f"batch_invariant must be one of {', '.join(INVARIANT_MODES)}, not {mode!r}")
     if mode != "auto":
         return mode == "on", f"BATCH_INVARIANT={mode}"
     if device.type != "cpu":
         return False, f"auto: off on {device.type} (its cost there is not measured yet)"
-    return False, "auto: off (provisional)"
+    if sharded:
+        return False, "auto: off under tensor parallelism (each rank's share of a row is its own kernel's, unchecked)"
+    if decode_step == "compiled":
+        return False, "auto: off under DECODE_STEP=compiled (it pads decode rows to a batch bucket)"
+    if quant != "none":
+        return False, (f"auto: off with QUANT={quant} (the dynamic int8 anchor row cost +34% on a one-row decode "
+                       "step, Zen 2; BATCH_INVARIANT=on to pay it)")
+    if dtype != torch.float32:
+        return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
+                       "run in fixed tiles, whose prefill cost is not measured; BATCH_INVARIANT=on to pay it)")
+    return True, "auto: on (CPU, fp32: it measured faster, not slower; docs/performance.md)"
 
 
 def kernel_name(layer: nn.Module) -> str:

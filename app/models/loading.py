@@ -138,7 +138,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
                tensor_parallel: int = 1, int4_wide_copy: bool = False,
-               batch_invariant: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
+               batch_invariant: str = "auto", decode_step: str = "eager") -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -183,7 +183,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
-    invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device)
+    invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant, decode_step,
+                                                     sharded=tensor_parallel > 1)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
