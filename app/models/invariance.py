@@ -63,8 +63,8 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     if decode_step == "compiled":
         return False, "auto: off under DECODE_STEP=compiled (it pads decode rows to a batch bucket)"
     if quant != "none":
-        return False, (f"auto: off with QUANT={quant} (the dynamic int8 anchor row cost +34% on a one-row decode "
-                       "step, Zen 2; BATCH_INVARIANT=on to pay it)")
+        return False, (f"auto: off with QUANT={quant} (the dynamic int8 anchor row made a one-row decode step about "
+                       "a third slower, Zen 2; BATCH_INVARIANT=on to pay it)")
     if dtype != torch.float32:
         return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
                        "run in fixed tiles, whose prefill cost is not measured; BATCH_INVARIANT=on to pay it)")
