@@ -69,6 +69,26 @@ def ttft_axes(ax, report: dict) -> None:
     ax.legend(fontsize=8)
 
 
+def scaling_axes(axes, report: dict) -> None:
+    """`bench scaling`: tokens/s at one stream and resident memory against the model's size, one line a server."""
+    servers = dict.fromkeys(name for entry in report["sizes"].values() for name in entry["servers"])
+    for name in servers:
+        points = [(entry["parameters"] / 1e9, entry["servers"][name]) for entry in report["sizes"].values()
+                  if name in entry["servers"] and "memory_after_first_request" in entry["servers"][name]]
+        if not points:
+            continue
+        size = [p for p, _ in points]
+        axes[0].plot(size, [f.get("1 streams", {}).get("tokens_per_s") or 0 for _, f in points], marker="o", label=name)
+        axes[1].plot(size, [f["memory_after_first_request"].get("rss", 0) / 2**30 for _, f in points], marker="o",
+                     label=name)
+    for ax, label in zip(axes, ("tokens/s, 1 stream", "resident memory, GiB")):
+        ax.set_xlabel("parameters, billions")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    axes[0].set_title(_title(report), fontsize=9)
+
+
 def draw_all(results: Path, out: Path) -> list[Path]:
     plt = _plt()
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +124,10 @@ def draw_all(results: Path, out: Path) -> list[Path]:
         ax.set_title("Prefix cache and n-gram speculation: on against off", fontsize=10)
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "shortcuts.png"))
+    for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        scaling_axes(axes, report)
+        written.append(_save(fig, out / f"{name}.png"))
     with_ttft = {name: r for name, r in runs.items() if r.get("ttft_by_prompt_len")}
     if with_ttft:
         fig, axes = plt.subplots(1, len(with_ttft), figsize=(6.4 * len(with_ttft), 3.8), squeeze=False)

@@ -1,4 +1,5 @@
-"""The docs' tables for `bench grammar`, `bench generate`, `bench soak` and `bench routing`, from their JSON.
+"""The docs' tables for `bench grammar`, `bench generate`, `bench soak`, `bench routing` and `bench scaling`, from
+their JSON.
 
 Each kind reads the keys the bench itself writes, so a fresh run's `--out` file drops into docs/results/ and its
 table follows; the older runs there are transcriptions of the README in the same keys, with only what it stated.
@@ -144,5 +145,42 @@ def step_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
-TABLES = {"grammar-decode": grammar_decode_table, "generate": generate_table, "soak": soak_table,
-          "routing": routing_table, "step": step_table}
+SCALING_NAMES = {"ours": "ours, defaults", "ours-int8": "ours, `QUANT=int8`", "ours-int4": "ours, `QUANT=int4`",
+                 "llama.cpp-Q4_K_M": "llama.cpp, Q4_K_M", "llama.cpp-Q8_0": "llama.cpp, Q8_0"}
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if not nbytes else f"{nbytes / 2**20:,.0f} MiB"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ttft(entry: tuple[str, dict] | None) -> str:
+    return "-" if entry is None else f"{ms(entry[1]['ttft_p50_s'])} ({entry[0].removeprefix('idle TTFT at ')})"
+
+
+def scaling_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench scaling`: per size and server, its resident memory beside every speed figure."""
+    head = ["size", "server", "RSS after one answer", "tok/s, 1 stream", "tok/s, 8 streams", "idle TTFT, short",
+            "idle TTFT, long", "decode tok/s, long context", "peak RSS"]
+    rows = []
+    for _, r in runs:
+        for size, entry in r["sizes"].items():
+            for name, figures in entry["servers"].items():
+                label = [f"{size} ({entry['parameters'] / 1e9:.2f}B)", SCALING_NAMES.get(name, name)]
+                if "crashed" in figures or "skipped" in figures:
+                    rows.append(label + [figures.get("crashed") or figures.get("skipped")] + [""] * 6)
+                    continue
+                rates = {k: v["tokens_per_s"] for k, v in figures.items() if k.endswith(" streams")}
+                short, long = ([(k, v) for k, v in figures.items() if k.startswith("idle TTFT at ")] + [None] * 2)[:2]
+                decode = next((v["tokens_per_s"] for k, v in figures.items() if k.startswith("decode at")), None)
+                rows.append(label + [_mib(figures["memory_after_first_request"].get("rss")),
+                                     _rate(rates.get("1 streams")), _rate(rates.get("8 streams")), _ttft(short),
+                                     _ttft(long), _rate(decode), _mib(figures.get("memory_at_end", {}).get("peak"))])
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+TABLES = {"scaling": scaling_table, "grammar-decode": grammar_decode_table, "generate": generate_table,
+          "soak": soak_table, "routing": routing_table, "step": step_table}

@@ -48,10 +48,10 @@ SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (
 
 def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
                             decode_step: str = "eager", sharded: bool = False) -> tuple[bool, str]:
-    """(on?, why) for BATCH_INVARIANT=`mode`. `auto` is on only where its cost was measured at most 10% (issue 48's
-    rule): on a CPU in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at
-    1 stream, 1.12x at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call
-    beats padding to the longest row). Elsewhere `auto` is off, and the reason says why."""
+    """(on?, why) for BATCH_INVARIANT=`mode`. `auto` is on only where its cost was measured at most 10%: on a CPU
+    in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at 1 stream, 1.12x
+    at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call beats padding
+    to the longest row). Elsewhere `auto` is off, and the reason says why."""
     if mode not in INVARIANT_MODES:
         raise ValueError(f"batch_invariant must be one of {', '.join(INVARIANT_MODES)}, not {mode!r}")
     if mode != "auto":

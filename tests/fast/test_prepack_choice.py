@@ -30,7 +30,7 @@ def stand_ins(monkeypatch):
         calls["measured"] += 1
         return runs.pop(0)
 
-    def pack(model, strict=False, only=None):
+    def pack(model, strict=False, only=None, invariant=False):
         shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
                          if isinstance(m, nn.Linear) and (only is None or only(m))})
         calls["packed"].append(shapes)

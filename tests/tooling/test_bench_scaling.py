@@ -53,6 +53,14 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
     quantized = tiny["servers"]["ours-int4"]["weight_bytes"]
     assert quantized["total"] < tiny["servers"]["ours"]["weight_bytes"]["total"]
     assert "ours-int4" in done.stdout and "RSS MiB" in done.stdout
+    from benchmarks import charts, run_tables
+
+    table = run_tables.scaling_table([("scaling.json", report)])  # the docs' block: memory beside every speed
+    int4 = next(line for line in table.splitlines() if "`QUANT=int4`" in line).split(" | ")
+    assert int4[2] == f"{tiny['servers']['ours-int4']['memory_after_first_request']['rss'] / 2**20:,.0f} MiB"
+    assert int4[3] == f"{tiny['servers']['ours-int4']['1 streams']['tokens_per_s']:.1f}" and "(160 tokens)" in int4[6]
+    drawn = charts.draw_all(tmp_path, tmp_path / "figures")  # scaling.json sits in tmp_path
+    assert tmp_path / "figures" / "scaling.png" in drawn
 
 
 def test_llamacpp_gets_room_for_the_longest_context_and_bad_sizes_are_named(tmp_path):
