@@ -182,5 +182,27 @@ def scaling_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
-TABLES = {"scaling": scaling_table, "grammar-decode": grammar_decode_table, "generate": generate_table,
+def invariance_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench invariance` (server level): per run and setting, how many answers amid others and alone again were
+    the first alone answer, token for token and logprob for logprob."""
+    head = ["model and run", "setting", "amid others: identical", "tokens only", "alone again: identical",
+            "tokens only"]
+    rows = []
+    for _, r in runs:
+        sampled, settings = r["settings"].get("temperature") or 0, r["settings"]
+        picking = f"temperature {sampled}, seed {settings.get('seed')}" if sampled else "greedy"
+        what = (f"{Path(r['model']).name}, {len(r['prompt_lens'])} prompts of {min(r['prompt_lens'])} to "
+                f"{max(r['prompt_lens']):,} tokens, {settings.get('rounds')} rounds, {settings.get('max_tokens')} "
+                f"tokens, {picking}")
+        for label, run in r.get("runs", {}).items():
+            if "summary" not in run:
+                continue
+            amid, again = run["summary"]["amid_others"], run["summary"]["alone_again"]
+            rows.append([what, label, *(f"{counts[key]} of {counts['n']}" for counts in (amid, again)
+                                        for key in ("identical", "tokens_identical"))])
+            what = ""
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+TABLES = {"invariance": invariance_table, "scaling": scaling_table, "grammar-decode": grammar_decode_table, "generate": generate_table,
           "soak": soak_table, "routing": routing_table, "step": step_table}
