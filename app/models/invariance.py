@@ -48,11 +48,11 @@ SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (
 
 def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
                             decode_step: str = "eager", sharded: bool = False) -> tuple[bool, str]:
-    """(on?, why) for BATCH_INVARIANT=`mode`. `auto` would be on only where its cost was measured at most 10%: on a
-    CPU in fp32 without QUANT its throughput cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at
-    1 stream, 1.12x at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call
-    beats padding to the longest row), but the server's responsiveness under load regressed; so `auto` is off
-    everywhere for now, and the reason says why."""
+    """(on?, why) for BATCH_INVARIANT=`mode`. `auto` is on only where its cost was measured at most 10%: on a CPU
+    in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at 1 stream, 1.12x
+    at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call beats padding
+    to the longest row), and /health's p99 under 8 starting streams was the same with it as without (quiet reruns
+    of tests/real/test_server_real.py's test). Elsewhere `auto` is off, and the reason says why."""
     if mode not in INVARIANT_MODES:
         raise ValueError(f"batch_invariant must be one of {', '.join(INVARIANT_MODES)}, not {mode!r}")
     if mode != "auto":
@@ -69,10 +69,7 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     if dtype != torch.float32:
         return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
                        "run in fixed tiles, whose prefill cost is not measured; BATCH_INVARIANT=on to pay it)")
-    # fp32 on a CPU measured faster with it, not slower; but its per-request attention calls took /health's p99 under
-    # 8 streams from under 100 ms to 254 ms (tests/real/test_server_real.py), so `auto` waits for that fix.
-    return False, ("auto: off for now (faster in fp32 here, but /health answered slower under 8 streams; "
-                   "BATCH_INVARIANT=on to have it; docs/performance.md)")
+    return True, "auto: on (a CPU in fp32: it measured no slower there; docs/performance.md)"
 
 
 def kernel_name(layer: nn.Module) -> str:

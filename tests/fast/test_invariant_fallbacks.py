@@ -156,3 +156,20 @@ def test_bf16_runs_in_fixed_tiles_where_the_cpu_multiplies_bf16_natively(tiny_to
         assert {getattr(m, "split", "whole") for m in layers.values()} == expected
         for name, layer in layers.items():
             assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
+
+
+def test_auto_is_on_for_a_cpu_in_fp32_and_off_where_its_cost_is_unmeasured(tiny_dir):
+    """BATCH_INVARIANT=auto as an operator meets it: a CPU server in fp32 loads invariant, and the start log's reason
+    says so; with QUANT, bf16, compiled decode steps, tensor parallelism or CUDA it stays off and names why."""
+    from app.models.invariance import resolve_batch_invariant
+
+    lm = load_model(str(tiny_dir), device="cpu", dtype="float32")  # batch_invariant's default: auto
+    assert lm.batch_invariant and lm.invariance.startswith("auto: on")
+    cpu = torch.device("cpu")
+    for why, kwargs in {"QUANT=int8": dict(quant="int8"), "bfloat16": dict(dtype=torch.bfloat16),
+                        "DECODE_STEP=compiled": dict(decode_step="compiled"), "tensor parallelism": dict(sharded=True),
+                        "cuda": dict(device=torch.device("cuda"))}.items():
+        on, reason = resolve_batch_invariant("auto", **{"device": cpu, **kwargs})
+        assert not on and why in reason, (why, reason)
+    assert resolve_batch_invariant("on", torch.device("cuda"), quant="int4") == (True, "BATCH_INVARIANT=on")
+    assert resolve_batch_invariant("off", cpu) == (False, "BATCH_INVARIANT=off")
