@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "
                                                           "logprobs do not depend on what else is running (each op "
                                                           "computes a row the same way at any batch; docs/"
-                                                          "walkthrough.md); auto: on for a CPU in fp32 without QUANT "
-                                                          "(measured no slower), off elsewhere (the start log says "
+                                                          "walkthrough.md); auto: on for a CPU in fp32 without QUANT, "
+                                                          "with PREPACK's fp32 copies (measured no slower), off "
+                                                          "elsewhere (the start log says "
                                                           "why; docs/performance.md gives its cost)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
                                 "keys, comma-separated, are several tenants")

@@ -70,7 +70,8 @@ def ttft_axes(ax, report: dict) -> None:
 
 
 def scaling_axes(axes, report: dict) -> None:
-    """`bench scaling`: tokens/s at one stream and resident memory against the model's size, one line a server."""
+    """`bench scaling`: tokens/s at one and at eight streams, and resident memory, against the model's size, one line
+    a server."""
     servers = dict.fromkeys(name for entry in report["sizes"].values() for name in entry["servers"])
     for name in servers:
         points = [(entry["parameters"] / 1e9, entry["servers"][name]) for entry in report["sizes"].values()
@@ -78,10 +79,11 @@ def scaling_axes(axes, report: dict) -> None:
         if not points:
             continue
         size = [p for p, _ in points]
-        axes[0].plot(size, [f.get("1 streams", {}).get("tokens_per_s") or 0 for _, f in points], marker="o", label=name)
-        axes[1].plot(size, [f["memory_after_first_request"].get("rss", 0) / 2**30 for _, f in points], marker="o",
+        for ax, streams in zip(axes, ("1 streams", "8 streams")):
+            ax.plot(size, [f.get(streams, {}).get("tokens_per_s") or 0 for _, f in points], marker="o", label=name)
+        axes[2].plot(size, [f["memory_after_first_request"].get("rss", 0) / 2**30 for _, f in points], marker="o",
                      label=name)
-    for ax, label in zip(axes, ("tokens/s, 1 stream", "resident memory, GiB")):
+    for ax, label in zip(axes, ("tokens/s, 1 stream", "tokens/s, 8 streams", "resident memory, GiB")):
         ax.set_xlabel("parameters, billions")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -125,7 +127,7 @@ def draw_all(results: Path, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "shortcuts.png"))
     for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
         scaling_axes(axes, report)
         written.append(_save(fig, out / f"{name}.png"))
     with_ttft = {name: r for name, r in runs.items() if r.get("ttft_by_prompt_len")}

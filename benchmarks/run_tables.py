@@ -179,7 +179,48 @@ def scaling_table(runs: list[tuple[str, dict]]) -> str:
                 rows.append(label + [_mib(figures["memory_after_first_request"].get("rss")),
                                      _rate(rates.get("1 streams")), _rate(rates.get("8 streams")), _ttft(short),
                                      _ttft(long), _rate(decode), _mib(figures.get("memory_at_end", {}).get("peak"))])
-    return markdown(head, rows) + "\n\n" + provenance(runs)
+    against = against_llamacpp(runs)
+    dates = {size: entry["date"] for _, r in runs for size, entry in r["sizes"].items() if entry.get("date")}
+    when = ("Each size's run began: " + "; ".join(f"{size} {date}" for size, date in dates.items()) + ".\n\n"
+            if len(set(dates.values())) > 1 else "")  # a run resumed (--resume) after a stop
+    return (markdown(head, rows) + ("\n\n" + against if against else "") + "\n\n" + when + provenance(runs))
+
+
+PEER = "llama.cpp-Q4_K_M"  # issue 49's yardstick: int4 against llama.cpp's 4-bit file, same weights, same run
+
+
+def against_llamacpp(runs: list[tuple[str, dict]]) -> str:
+    """`bench scaling`: each of ours divided by llama.cpp Q4_K_M of the same size and run (tokens/s: above 1 is
+    faster; TTFT and RSS: below 1 is less), worked out from the run's own figures, not the rounded cells."""
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b else f"{a / b:.2f}x"
+
+    def first(figures: dict, prefix: str) -> dict:
+        return next((v for k, v in figures.items() if k.startswith(prefix)), {})
+
+    head = ["size", "server", "tok/s, 1 stream", "tok/s, 8 streams", "idle TTFT, short", "decode, long context",
+            "RSS after one answer"]
+    rows = []
+    for _, r in runs:
+        for size, entry in r["sizes"].items():
+            peer = entry["servers"].get(PEER, {})
+            if "1 streams" not in peer:
+                continue
+            for name, figures in entry["servers"].items():
+                if name not in SCALING_NAMES or name.startswith("llama.cpp") or "1 streams" not in figures:
+                    continue
+                rows.append([f"{size}", SCALING_NAMES[name],
+                             *(ratio(figures[k]["tokens_per_s"], peer[k]["tokens_per_s"])
+                               for k in ("1 streams", "8 streams") if k in figures and k in peer),
+                             ratio(first(figures, "idle TTFT at ").get("ttft_p50_s"),
+                                   first(peer, "idle TTFT at ").get("ttft_p50_s")),
+                             ratio(first(figures, "decode at ").get("tokens_per_s"),
+                                   first(peer, "decode at ").get("tokens_per_s")),
+                             ratio(figures["memory_after_first_request"].get("rss"),
+                                   peer["memory_after_first_request"].get("rss"))])
+    if not rows:
+        return ""
+    return f"Each ÷ llama.cpp's Q4_K_M, same size and run:\n\n" + markdown(head, rows)
 
 
 def invariance_table(runs: list[tuple[str, dict]]) -> str:

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "context (0: skip)")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--out", default=None, help="JSON path (default docs/results/scaling-<timestamp>.json)")
+    parser.add_argument("--resume", action="store_true", help="keep the sizes an earlier run wrote to --out (each "
+                        "with its own date) and run only --sizes: a long run goes on after a stop or a fix")
 
 
 def parse_list(text: str, allowed, what: str) -> list[str]:
@@ -98,10 +100,15 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir).expanduser() if args.work_dir else settings.model_cache / "scaling"
     out = Path(args.out or f"docs/results/scaling-{time.strftime('%Y%m%d-%H%M%S')}.json")
     report = {**record.envelope("scaling", args), "sizes": {}}
+    if args.resume and out.is_file():
+        earlier = json.loads(out.read_text())
+        report["sizes"] = {size: {"date": earlier["date"], **entry} for size, entry in earlier["sizes"].items()
+                           if size not in sizes}
     peer = prepare_llamacpp(settings.model_cache, [s for s in servers if s in LLAMACPP])
     if peer.get("build"):
         report["llama.cpp build"] = peer["build"]
     for size in sizes:
+        began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         model_dir = write_checkpoint(size, work / size, tokenizer)
         ggufs = {name: gguf_file(model_dir, quant, peer) for name, quant in LLAMACPP.items() if name in servers}
         results = {}
@@ -112,7 +119,8 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{size}: {name} ...", flush=True)
             results[name] = measure_server(name, model_dir, ggufs.get(name), peer.get("server"), args, streams,
                                            lengths, out.with_name(f"{out.stem}-{size}-{name}.log"))
-        report["sizes"][size] = {"shape": {k: v for k, v in SHAPES[size].items() if k not in QWEN25},
+        report["sizes"][size] = {"date": began,
+                                 "shape": {k: v for k, v in SHAPES[size].items() if k not in QWEN25},
                                  "parameters": parameter_count(model_dir), "servers": results}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, ensure_ascii=False))  # after each size: a later one may fail

@@ -52,7 +52,8 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at 1 stream, 1.12x
     at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call beats padding
     to the longest row), and /health's p99 under 8 starting streams was the same with it as without (quiet reruns
-    of tests/real/test_server_real.py's test). Elsewhere `auto` is off, and the reason says why."""
+    of tests/real/test_server_real.py's test). That is with PREPACK's packed fp32 copies; where they are not made,
+    load_model turns `auto` off again (app/models/loading.py). Elsewhere `auto` is off, and the reason says why."""
     if mode not in INVARIANT_MODES:
         raise ValueError(f"batch_invariant must be one of {', '.join(INVARIANT_MODES)}, not {mode!r}")
     if mode != "auto":

@@ -185,6 +185,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     model.eval()
     invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant, decode_step,
                                                      sharded=tensor_parallel > 1)
+    if invariant and batch_invariant == "auto" and (why := _no_fp32_copies(model, prepack, torch_device, torch_dtype)):
+        # auto's measured cost holds with oneDNN's packed fp32 copies; without them every linear runs in tiles of 8
+        # rows, so a one-stream decode step computes 8 (~2.6x a row's time here): far past auto's 10%
+        invariant, invariance = False, f"auto: off, since {why} (the linears would run in tiles of 8 rows)"
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
@@ -283,13 +287,27 @@ def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "", inv
     return f"on: {count} linear layers{where}"
 
 
-def _pack_fp32_copies(model, strict: bool, invariant: bool = False) -> str:
+def _copies_do_not_fit(model) -> str | None:
+    """Why the fp32 copies for batched rows are left out for the RAM (None: they fit)."""
     need, available = copy_bytes(model), psutil.virtual_memory().available
-    why = None
     if need > available * FP32_COPY_RAM_FRACTION:
-        why = (f"fp32 copies for batched rows would take {_size(need)}, more than half the {_size(available)} "
-               "of RAM available")
-    else:
+        return (f"fp32 copies for batched rows would take {_size(need)}, more than half the {_size(available)} of RAM "
+                "available")
+    return None
+
+
+def _no_fp32_copies(model, prepack: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this CPU fp32 model will get no packed fp32 copies (None: it will try to make them)."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return None
+    if prepack == "false":
+        return "PREPACK=false"
+    return prepack_support(device, dtype) or _copies_do_not_fit(model)
+
+
+def _pack_fp32_copies(model, strict: bool, invariant: bool = False) -> str:
+    need, why = copy_bytes(model), _copies_do_not_fit(model)
+    if why is None:
         try:
             count = use_batch_rows(model, packed=True, invariant=invariant)
         except RuntimeError as err:  # the reorder raised, or its products were off: nothing was swapped

@@ -173,3 +173,18 @@ def test_auto_is_on_for_a_cpu_in_fp32_and_off_where_its_cost_is_unmeasured(tiny_
         assert not on and why in reason, (why, reason)
     assert resolve_batch_invariant("on", torch.device("cuda"), quant="int4") == (True, "BATCH_INVARIANT=on")
     assert resolve_batch_invariant("off", cpu) == (False, "BATCH_INVARIANT=off")
+
+
+def test_auto_is_off_in_fp32_where_the_packed_copies_are_not_made(tiny_dir, monkeypatch):
+    """Without PREPACK's fp32 copies (PREPACK=false, or too little RAM, as a 3B model on a 23 GiB machine) every
+    linear would run in tiles of 8 rows, a one-stream step's cost several times over: auto stays off and says why;
+    `on` still pays it."""
+    from app.models import loading
+
+    lm = load_model(str(tiny_dir), device="cpu", dtype="float32", prepack="false")
+    assert not lm.batch_invariant and lm.invariance == ("auto: off, since PREPACK=false (the linears would run in "
+                                                        "tiles of 8 rows)")
+    monkeypatch.setattr(loading, "FP32_COPY_RAM_FRACTION", 0.0)  # no RAM to spare for the copies
+    lm = load_model(str(tiny_dir), device="cpu", dtype="float32")
+    assert not lm.batch_invariant and "more than half the" in lm.invariance and lm.prepack.startswith("off: fp32 copies")
+    assert load_model(str(tiny_dir), device="cpu", dtype="float32", batch_invariant="on").batch_invariant

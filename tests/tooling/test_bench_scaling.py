@@ -30,12 +30,17 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
     tokenizer = tmp_path / "tokenizer"
     tiny_tokenizer.save_pretrained(tokenizer)
     out = tmp_path / "scaling.json"
+    earlier = {"parameters": 494032768, "shape": {}, "servers": {"ours": {"skipped": "an earlier run's entry"}}}
+    out.write_text(json.dumps({"date": "2026-12-04T19:50:58Z", "sizes": {"0.5B": earlier, "tiny": earlier}}))
     done = bench("--sizes", "tiny", "--servers", "ours,ours-int8,ours-int4", "--tokenizer", str(tokenizer),
                  "--work-dir", str(tmp_path / "work"), "--streams", "1,2", "--requests", "2", "--max-tokens", "6",
                  "--prompt-len", "20", "--prompt-lens", "16,160", "--ttft-requests", "1", "--long-context", "240",
-                 "--out", str(out), cwd=tmp_path)
+                 "--out", str(out), "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
+    # --resume kept the size it did not run, with that run's date, and ran the one it was given afresh
+    assert report["sizes"]["0.5B"] == {"date": "2026-12-04T19:50:58Z", **earlier}
+    assert report["sizes"]["tiny"]["date"] >= report["date"][:10] and "ours-int4" in report["sizes"]["tiny"]["servers"]
     assert report["bench"] == "scaling" and report["machine"]["cores"] >= 1
     tiny = report["sizes"]["tiny"]
     assert tiny["shape"]["hidden_size"] == 64 and tiny["parameters"] > 0
