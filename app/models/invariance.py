@@ -47,13 +47,15 @@ SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (
 
 
 def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
-                            decode_step: str = "eager", sharded: bool = False) -> tuple[bool, str]:
+                            decode_step: str = "eager", sharded: bool = False,
+                            no_fp32_copies: str | None = None) -> tuple[bool, str]:
     """(on?, why) for BATCH_INVARIANT=`mode`. `auto` is on only where its cost was measured at most 10%: on a CPU
     in fp32 without QUANT it cost nothing, it was faster (`bench compare`, Zen 2: 1.30x tokens/s at 1 stream, 1.12x
     at 8: the packed kernel is faster than MKL's for one row, and a decode row's own attention call beats padding
     to the longest row), and /health's p99 under 8 starting streams was the same with it as without (quiet reruns
-    of tests/real/test_server_real.py's test). That is with PREPACK's packed fp32 copies; where they are not made,
-    load_model turns `auto` off again (app/models/loading.py). Elsewhere `auto` is off, and the reason says why."""
+    of tests/real/test_server_real.py's test). That is with PREPACK's packed fp32 copies: `no_fp32_copies` says why
+    they will not be made (app/models/loading.py), and then `auto` is off. Elsewhere `auto` is off, and the reason
+    says why."""
     if mode not in INVARIANT_MODES:
         raise ValueError(f"batch_invariant must be one of {', '.join(INVARIANT_MODES)}, not {mode!r}")
     if mode != "auto":
@@ -70,6 +72,8 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     if dtype != torch.float32:
         return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
                        "run in fixed tiles, whose prefill cost is not measured; BATCH_INVARIANT=on to pay it)")
+    if no_fp32_copies:  # every linear would run in tiles of 8 rows: a one-stream step computes 8 (~2.6x here)
+        return False, f"auto: off, since {no_fp32_copies} (the linears would run in tiles of 8 rows)"
     return True, "auto: on (a CPU in fp32: it measured no slower there; docs/performance.md)"
 
 

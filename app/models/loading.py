@@ -183,12 +183,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
+    no_copies = (_no_fp32_copies(model, prepack, torch_device, torch_dtype)  # what `auto` weighs on a CPU in fp32
+                 if batch_invariant == "auto" and quant == "none" and tensor_parallel == 1 else None)
     invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant, decode_step,
-                                                     sharded=tensor_parallel > 1)
-    if invariant and batch_invariant == "auto" and (why := _no_fp32_copies(model, prepack, torch_device, torch_dtype)):
-        # auto's measured cost holds with oneDNN's packed fp32 copies; without them every linear runs in tiles of 8
-        # rows, so a one-stream decode step computes 8 (~2.6x a row's time here): far past auto's 10%
-        invariant, invariance = False, f"auto: off, since {why} (the linears would run in tiles of 8 rows)"
+                                                     sharded=tensor_parallel > 1, no_fp32_copies=no_copies)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
