@@ -179,7 +179,12 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                 source, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel), **kwargs)
         else:
             # Straight onto the device in its dtype: loading on the CPU and then moving would hold the weights twice.
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch_device, **kwargs)
+            load_dtype = _load_dtype(config, torch_dtype, quant)
+            if load_dtype != torch_dtype:
+                log.info("loading in %s, the checkpoint's dtype: QUANT=%s quantizes the linears from it, so loading "
+                         "peaks at the checkpoint's size, not %s's", str(load_dtype).removeprefix("torch."), quant,
+                         str(torch_dtype).removeprefix("torch."))
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=load_dtype, device_map=torch_device, **kwargs)
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
@@ -192,7 +197,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
     elif quant != "none":
         # every linear, lm_head included: none to prepack
-        quantize_linears(model, quant, wide_copy=int4_wide_copy, batch_invariant=invariant)
+        quantize_linears(model, quant, wide_copy=int4_wide_copy, batch_invariant=invariant, dtype=torch_dtype)
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
@@ -216,6 +221,20 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
                        batch_invariant=invariant, invariance=invariance)
+
+
+def _load_dtype(config, dtype: torch.dtype, quant: str) -> torch.dtype:
+    """What to load the weights in: `dtype`, except where QUANT will replace the linears and the checkpoint holds
+    them narrower (a bf16 checkpoint, served in fp32 for the dynamic int8 kernels). Then its own dtype: loaded in
+    fp32, a 7B model would first take 30 GB for weights that quantizing brings to 8 (int8) or 5 (int4); loaded in
+    bf16 it peaks at 15, the file's size. The linears are quantized from the same values either way, and the
+    floats left are widened after (app/models/quant.py `quantize_linears`), so the model is the same, bit for bit
+    (tests/fast/test_quant.py)."""
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    if quant == "none" or not isinstance(stored, torch.dtype) or not stored.is_floating_point:
+        return dtype
+    return stored if stored.itemsize < dtype.itemsize else dtype
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,

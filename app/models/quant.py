@@ -54,7 +54,7 @@ from torch.nn import functional as F
 
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
-from app.models.quant_embedding import Int8Embedding
+from app.models.quant_embedding import Int8Embedding, per_row_int8
 
 log = logging.getLogger("app.models.quant")
 
@@ -81,22 +81,15 @@ def fbgemm_has_vnni() -> bool:
     return bool(caps.get("avx512_vnni"))
 
 
-def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> int8 [out, in] and fp32 scales [out]: symmetric, the largest |w| of a row maps to 127."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
-
-
 class WeightOnlyInt8Linear(nn.Module):
     """Drop-in `nn.Linear`: int8 weights, activations kept in their own dtype (bf16, fp16 or fp32)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None):  # dtype: the activations' (the weight's)
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scales = _per_channel_int8(linear.weight)
+        weight, scales = per_row_int8(linear.weight)
         self.register_buffer("weight_int8", weight)  # [out, in]
-        self.register_buffer("scales", scales.to(linear.weight.dtype))  # the kernel wants the activations' dtype
+        self.register_buffer("scales", scales.to(dtype or linear.weight.dtype))  # the kernel wants the activations' dtype
         self.bias = linear.bias
         self.weight_bytes = weight.numel() + scales.numel() * scales.element_size()
 
@@ -211,7 +204,7 @@ class DynamicInt8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, engine: str | None = None, anchored: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scales = _per_channel_int8(linear.weight)
+        weight, scales = per_row_int8(linear.weight)
         with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the kernel has no other input
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(),
@@ -278,7 +271,7 @@ def _dynamic_linear(linear: nn.Linear, engine: str, anchored: bool = False) -> D
 
 
 def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto",
-                     wide_copy: bool = False, batch_invariant: bool = False) -> str:
+                     wide_copy: bool = False, batch_invariant: bool = False, dtype: torch.dtype | None = None) -> str:
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
     With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
     Then nothing of the loaded weights is kept (`keep_own_copies`) and the embedding table is held once
@@ -291,12 +284,16 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     batch_invariant (BATCH_INVARIANT): dynamic int8 with its anchor row (DynamicInt8Linear), and never int4's
     bf16 copy, which computes a row of a wide call otherwise than the same row alone. Whether each kernel then
     computes a row the same way at any row count is checked after (app/models/invariance.py).
+    dtype: what the model runs in, where it was loaded narrower (a bf16 checkpoint served in fp32, so that loading
+    peaks at the checkpoint's size, not fp32's): each linear is quantized from its loaded weights (read in fp32,
+    one layer at a time), and every float left (norms, biases) is cast to `dtype` after, exactly.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
     if mode == "none":
         return "none"
     param = next(model.parameters())
+    dtype = dtype or param.dtype
     if mode == "int4" and (missing := int4_kernel_missing(param.device)):
         log.warning("quant=int4: %s; every linear layer reads int8 weights instead", missing)
         mode = "int8"
@@ -311,7 +308,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
                  INT4_GROUP, torch.backends.cpu.get_cpu_capability(),
                  _wide_copy_note(model, wide_copy, bf16, batch_invariant))
     if kernel == "auto":
-        kernel = "dynamic" if dynamic_int8_supported(param.device, param.dtype) else "weight_only"
+        kernel = "dynamic" if dynamic_int8_supported(param.device, dtype) else "weight_only"
     why = "weight-only"
     if kernel == "dynamic":
         chosen, why = int8_engine() if engine == "auto" else (engine, f"engine={engine} was asked for")
@@ -319,12 +316,13 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
             raise ValueError(f"dynamic int8 cannot run here: {why}")
         make = functools.partial(_dynamic_linear, engine=chosen, anchored=batch_invariant)
     else:
-        make = WeightOnlyInt8Linear
+        make = functools.partial(WeightOnlyInt8Linear, dtype=dtype)
     _untie_lm_head(model)
     count = _swap_linears(model, make, lambda linear: True)  # every plain nn.Linear int4 left
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
-    quantize_embedding(model)
+    quantize_embedding(model, dtype)
+    _cast_floats_left(model, dtype)
     keep_own_copies(model)
     return kernel
 
@@ -343,11 +341,34 @@ def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None, batch_invar
     return "every call on it: no bf16 copy (INT4_WIDE_COPY=false)"
 
 
-def quantize_embedding(model: nn.Module) -> None:
-    """The input embedding table (CPU, a plain float one) as int8 rows (app/models/quant_embedding.py)."""
+def quantize_embedding(model: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """The input embedding table (CPU, a plain float one) as int8 rows (app/models/quant_embedding.py), whose
+    gathered rows come back in `dtype` (default: the table's)."""
     embedding = model.get_input_embeddings()
     if type(embedding) is nn.Embedding and embedding.weight.device.type == "cpu":
-        model.set_input_embeddings(Int8Embedding(embedding, embedding.weight.dtype))
+        model.set_input_embeddings(Int8Embedding(embedding, dtype or embedding.weight.dtype))
+
+
+_QUANTIZED = (Int4Linear, WeightOnlyInt8Linear, DynamicInt8Linear, Int8Embedding)
+
+
+@torch.no_grad()
+def _cast_floats_left(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every float parameter (norms, biases) and every float buffer outside the quantized layers, loaded narrower
+    than `dtype`, cast to it: the model then runs as if loaded in `dtype`. Only widening, which is exact; a buffer
+    the model keeps in fp32 on purpose (rotary frequencies) is left alone. A quantized layer's own buffers (int4's
+    bf16 scales) are its format, not the loaded floats."""
+    def narrower(t: torch.Tensor) -> bool:
+        return t.is_floating_point() and t.dtype != dtype and t.element_size() < dtype.itemsize
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if narrower(param):
+                param.data = param.data.to(dtype)
+        if not isinstance(module, _QUANTIZED):
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and narrower(buffer):
+                    module._buffers[name] = buffer.to(dtype)
 
 
 @torch.no_grad()

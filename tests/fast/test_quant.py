@@ -366,3 +366,29 @@ def test_load_model_with_quant_int4(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("INT4_WIDE_COPY", "true")
     assert Settings().int4_wide_copy is True
     assert lm.weight_bytes["copies"] == 0 and lm.weight_bytes["int4"] > 0
+
+
+@pytest.mark.parametrize("quant", ["int8"] + (["int4"] if int4_kernel_missing(torch.device("cpu")) is None else []))
+def test_a_bf16_checkpoint_loads_in_bf16_and_serves_the_same_model_as_an_fp32_load(tmp_path, tiny_tokenizer, quant,
+                                                                                    caplog):
+    """With QUANT, a bf16 checkpoint served in fp32 loads in bf16, so loading peaks at the file's size (15 GB for a
+    7B model, not fp32's 30), and the model it serves is the one an fp32 load gives, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    caplog.set_level("INFO")
+    lm = load_model(str(tmp_path), "cpu", "auto", quant=quant, batch_invariant="off")
+    assert f"loading in bfloat16, the checkpoint's dtype: QUANT={quant}" in caplog.text
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    quantize_linears(want, quant, dtype=torch.float32)
+    assert lm.model.dtype == torch.float32
+    got_state, want_state = lm.model.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        assert got_state[name].dtype == tensor.dtype and torch.equal(got_state[name], tensor), name
+    for text in PROMPTS:
+        ids = torch.tensor([tiny_tokenizer.encode(text)])
+        with torch.inference_mode():
+            assert torch.equal(lm.model(ids).logits, want(ids).logits), text
+        assert greedy(lm.model, tiny_tokenizer, ids[0].tolist()) == greedy(want, tiny_tokenizer, ids[0].tolist())
