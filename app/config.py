@@ -240,6 +240,9 @@ class Settings(BaseSettings):
                              "may read from; set it, or LORA_RUNTIME_LOADING=false")
         if self.lora_adapter_root is not None and not self.lora_runtime_loading:
             raise ValueError("LORA_ADAPTER_ROOT applies only with LORA_RUNTIME_LOADING=true; set both or neither")
+        if self.batch_invariant == "on" and self.decode_step == "compiled":  # before minutes of loading
+            raise ValueError("BATCH_INVARIANT=on rules out DECODE_STEP=compiled, which runs decode rows in shapes "
+                             "padded to the batch; set DECODE_STEP=eager or BATCH_INVARIANT=off")
         return self
 
     @property

@@ -186,6 +186,27 @@ def scaling_table(runs: list[tuple[str, dict]]) -> str:
     return (markdown(head, rows) + ("\n\n" + against if against else "") + "\n\n" + when + provenance(runs))
 
 
+def load_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench scaling` (a full run or `--load-only`): per run, size and server, the peak resident memory (VmHWM:
+    loading and one short answer, or the whole run), what stays after one answer, the weights the server says it
+    holds, and its time to ready. Runs of several commits side by side show what a change did to the load."""
+    head = ["run began", "size", "server", "peak RSS (VmHWM at the end)", "RSS after one answer", "weights held",
+            "ready in"]
+    rows = []
+    for _, r in runs:
+        for size, entry in r["sizes"].items():
+            for name, figures in entry["servers"].items():
+                if "memory_after_first_request" not in figures:
+                    continue
+                held = (figures.get("weight_bytes") or {}).get("total")
+                ready = figures.get("ready_s")
+                rows.append([entry.get("date") or r.get("date") or "-", size, SCALING_NAMES.get(name, name),
+                             _mib(figures.get("memory_at_end", {}).get("peak")),
+                             _mib(figures["memory_after_first_request"].get("rss")), _mib(held),
+                             "-" if ready is None else f"{ready:,.0f} s"])
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
 PEER = "llama.cpp-Q4_K_M"  # issue 49's yardstick: int4 against llama.cpp's 4-bit file, same weights, same run
 
 
@@ -245,5 +266,5 @@ def invariance_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
-TABLES = {"invariance": invariance_table, "scaling": scaling_table, "grammar-decode": grammar_decode_table, "generate": generate_table,
+TABLES = {"invariance": invariance_table, "scaling": scaling_table, "load": load_table, "grammar-decode": grammar_decode_table, "generate": generate_table,
           "soak": soak_table, "routing": routing_table, "step": step_table}

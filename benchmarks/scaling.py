@@ -15,6 +15,8 @@ the server, benchmarks/llamacpp.py; which build ran is recorded). Each server ge
 - the idle time to first token at 128 and 2,048 prompt tokens (`--prompt-lens`), one stream;
 - decode tokens/s at 4,096 tokens of context (`--long-context`): one stream, the reciprocal of its inter-token p50;
 - its resident memory again at the end, and its peak (VmHWM).
+`--load-only` keeps the first and last of these (and the time to ready): the load's peak and what stays, for sizes
+whose speed runs would take hours.
 Results go to one JSON file (default under docs/results/), with the machine and versions (benchmarks/record.py).
 """
 
@@ -74,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "context (0: skip)")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--out", default=None, help="JSON path (default docs/results/scaling-<timestamp>.json)")
+    parser.add_argument("--load-only", action="store_true", help="each server's memory after loading and one short "
+                        "answer (peak, resident, weights) and its time to ready, no speed figures: sizes whose "
+                        "speed runs would take hours here (7B on 2 cores)")
     parser.add_argument("--resume", action="store_true", help="keep the sizes an earlier run wrote to --out (each "
                         "with its own date) and run only --sizes: a long run goes on after a stop or a fix")
 
@@ -223,6 +228,7 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
     proc = subprocess.Popen(server_command(name, model_dir, gguf, llama_server, port, args, streams), env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
     model_id = str(model_dir)
@@ -235,19 +241,20 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
             wait_ready(url, "/ready" if name in OURS else "/health", proc, args.ready_timeout, log)
         except ServerCrashed as err:
             return {"crashed": str(err)}
+        ready_s = time.perf_counter() - started
         bench_serve.measure(load(max_tokens=4, seed=10_000))  # one short request
-        figures: dict = {"memory_after_first_request": resident(proc.pid)}
-        for index, count in enumerate(streams):
+        figures: dict = {"ready_s": ready_s, "memory_after_first_request": resident(proc.pid)}
+        for index, count in enumerate([] if args.load_only else streams):
             r = bench_serve.measure(load(concurrency=count, requests=args.requests, seed=1000 * (index + 1)))
             figures[f"{count} streams"] = {"tokens_per_s": r["output_tokens_per_s"]["aggregate"],
                                            "ttft_p50_s": r["ttft_s"]["p50"], "requests": r["requests"]}
         count_tokens, _ = prompt_lengths.token_counter(model_dir)
         prompts = prompt_lengths.build(lengths, args.ttft_requests, count_tokens)
-        for length, texts in prompts.items():
+        for length, texts in ({} if args.load_only else prompts).items():
             r = bench_serve.measure(load(requests=len(texts), prompt_len=length, max_tokens=8), texts)
             figures[f"idle TTFT at {length} tokens"] = {"ttft_p50_s": r["ttft_s"]["p50"], "requests": r["requests"],
                                                         "prompt_tokens": r["prompt_tokens_mean"]}
-        if args.long_context:
+        if args.long_context and not args.load_only:
             text = prompt_lengths.build([args.long_context], 1, count_tokens)[args.long_context]
             r = bench_serve.measure(load(prompt_len=args.long_context), text)
             itl = r["itl_per_token_s"]["p50"]

@@ -22,9 +22,11 @@ def test_metrics_require_key_without_an_api_key_is_refused_naming_both():
     ({"METRICS_REQUIRE_KEY": "true"}, ("METRICS_REQUIRE_KEY", "API_KEY")),
     ({"LORA_RUNTIME_LOADING": "true", "LORA_ADAPTER_ROOT": "/srv/adapters"}, ("LORA_RUNTIME_LOADING", "API_KEY")),
     ({"LORA_RUNTIME_LOADING": "true", "API_KEY": "secret-key-1"}, ("LORA_RUNTIME_LOADING", "LORA_ADAPTER_ROOT")),
+    ({"BATCH_INVARIANT": "on", "DECODE_STEP": "compiled"}, ("BATCH_INVARIANT", "DECODE_STEP")),
 ])
 def test_serve_prints_the_refusal_naming_both_settings_and_exits_2(env, named, monkeypatch, capsys):
-    for name in ("API_KEY", "METRICS_REQUIRE_KEY", "LORA_RUNTIME_LOADING", "LORA_ADAPTER_ROOT", "LORA_MODULES"):
+    for name in ("API_KEY", "METRICS_REQUIRE_KEY", "LORA_RUNTIME_LOADING", "LORA_ADAPTER_ROOT", "LORA_MODULES",
+                 "BATCH_INVARIANT", "DECODE_STEP"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

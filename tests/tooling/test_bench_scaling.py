@@ -80,3 +80,22 @@ def test_llamacpp_gets_room_for_the_longest_context_and_bad_sizes_are_named(tmp_
     assert ours[ours.index("--quant") + 1] == "int4" and ours[ours.index("--dtype") + 1] == "auto"
     with pytest.raises(SystemExit, match="--sizes: unknown 13B"):
         scaling.parse_list("0.5B,13B", scaling.SHAPES, "--sizes")
+
+
+@pytest.mark.server
+def test_load_only_records_the_loads_memory_and_time_to_ready_and_no_speed(tmp_path, tiny_tokenizer):
+    tokenizer = tmp_path / "tokenizer"
+    tiny_tokenizer.save_pretrained(tokenizer)
+    out = tmp_path / "load.json"
+    done = bench("--sizes", "tiny", "--servers", "ours-int8", "--tokenizer", str(tokenizer), "--work-dir",
+                 str(tmp_path / "work"), "--load-only", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    served = json.loads(out.read_text())["sizes"]["tiny"]["servers"]["ours-int8"]
+    assert not [k for k in served if k.endswith(" streams") or k.startswith(("idle TTFT", "decode at"))], served
+    assert served["ready_s"] > 0 and served["memory_at_end"]["peak"] >= served["memory_after_first_request"]["rss"] > 0
+    assert served["weight_bytes"]["int8"] > 0
+    from benchmarks import run_tables
+
+    row = next(line for line in run_tables.load_table([("load.json", json.loads(out.read_text()))]).splitlines()
+               if "`QUANT=int8`" in line).split(" | ")
+    assert row[3] == f"{served['memory_at_end']['peak'] / 2**20:,.0f} MiB" and row[6] == f"{served['ready_s']:,.0f} s |"
