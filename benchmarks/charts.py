@@ -33,7 +33,8 @@ def _plt():
 def _title(report: dict) -> str:
     m = report.get("machine") or {}
     dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(report.get("dtype"), report.get("dtype"))
-    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {dtype} ({(report.get('date') or '')[:10]})"
+    dtype = f", {dtype}" if dtype else ""  # a bench that serves several dtypes (scaling) records none
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores{dtype} ({(report.get('date') or '')[:10]})"
 
 
 def streams_axes(ax, report: dict) -> None:
@@ -126,7 +127,8 @@ def draw_all(results: Path, out: Path) -> list[Path]:
         ax.set_title("Prefix cache and n-gram speculation: on against off", fontsize=10)
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "shortcuts.png"))
-    for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling"):
+    for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling"
+                         and not (r.get("settings") or {}).get("load_only")):  # --load-only: no speed to draw
         fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
         scaling_axes(axes, report)
         written.append(_save(fig, out / f"{name}.png"))

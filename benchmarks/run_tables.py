@@ -9,6 +9,7 @@ rounded figures.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from benchmarks.cells import DTYPES, markdown, ms, provenance
@@ -256,11 +257,15 @@ def invariance_table(runs: list[tuple[str, dict]]) -> str:
         what = (f"{Path(r['model']).name}, {len(r['prompt_lens'])} prompts of {min(r['prompt_lens'])} to "
                 f"{max(r['prompt_lens']):,} tokens, {settings.get('rounds')} rounds, {settings.get('max_tokens')} "
                 f"tokens, {picking}")
+        env = settings.get("env") or []
+        env = ast.literal_eval(env) if isinstance(env, str) else env  # an older record kept the list's repr
         for label, run in r.get("runs", {}).items():
             if "summary" not in run:
                 continue
             amid, again = run["summary"]["amid_others"], run["summary"]["alone_again"]
-            rows.append([what, label, *(f"{counts[key]} of {counts['n']}" for counts in (amid, again)
+            also = [e for e in env if e.partition("=")[0] != label.partition("=")[0]]  # --env, where --compare left it
+            setting = label + (f" (with {', '.join(also)})" if also else "")
+            rows.append([what, setting, *(f"{counts[key]} of {counts['n']}" for counts in (amid, again)
                                         for key in ("identical", "tokens_identical"))])
             what = ""
     return markdown(head, rows) + "\n\n" + provenance(runs)
