@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "attention chunkings compute a row the same way at any row count on this machine "
                         "(benchmarks/invariance_kernels.py)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--keep-answers", choices=("all", "first"), default="all", help="first: keep every "
+                        "comparison but, of the answers, only each prompt's first alone one (a full-size run's file "
+                        "shrinks to a fifth, for docs/results)")
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/invariance-<timestamp>.json)")
 
 
@@ -145,6 +148,8 @@ def run(args: argparse.Namespace) -> dict:
         else:
             with our_server(path, env, out.with_name(f"{out.stem}-{slug(label)}.log"), args.ready_timeout) as url:
                 report["runs"][label] = {"env": env, **measure(url, prompts, args)}
+        if args.keep_answers == "first":
+            keep_first_answers(report)
         out.write_text(json.dumps(report, indent=2, ensure_ascii=False))  # after each run: a later one may fail
     if args.ops:
         from benchmarks import invariance_ops
@@ -153,6 +158,17 @@ def run(args: argparse.Namespace) -> dict:
     else:
         print_report(report)
     print(f"wrote {out}")
+    return report
+
+
+def keep_first_answers(report: dict) -> dict:
+    """In place: every comparison stays; of the answers, each prompt's first alone one (the reference, which the
+    docs compare across settings)."""
+    for run_ in report["runs"].values():
+        for p in run_.get("prompts", []):
+            if "alone 1" in p.get("answers", {}):
+                p["answers"] = {"alone 1": p["answers"]["alone 1"]}
+    report["kept_answers"] = "each prompt's first alone answer only"
     return report
 
 

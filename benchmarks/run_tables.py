@@ -268,7 +268,27 @@ def invariance_table(runs: list[tuple[str, dict]]) -> str:
             rows.append([what, setting, *(f"{counts[key]} of {counts['n']}" for counts in (amid, again)
                                         for key in ("identical", "tokens_identical"))])
             what = ""
-    return markdown(head, rows) + "\n\n" + provenance(runs)
+    across = [line for _, r in runs for line in _across_settings(r)]
+    return markdown(head, rows) + "".join(f"\n\n{line}" for line in across) + "\n\n" + provenance(runs)
+
+
+def _across_settings(report: dict) -> list[str]:
+    """Where a run compared settings, whether each prompt's first alone answer (a cold prefix cache) under a later
+    setting is the first setting's, token for token and logprob for logprob: speculation on against off must not
+    change an answer, greedy or seeded. Read from the answers the file keeps."""
+    settings = [(label, run) for label, run in report.get("runs", {}).items() if run.get("prompts")]
+    lines = []
+    for label, run in settings[1:]:
+        first_label, first = settings[0]
+        pairs = [(a["answers"].get("alone 1"), b["answers"].get("alone 1"))
+                 for a, b in zip(first["prompts"], run["prompts"]) if "answers" in a and "answers" in b]
+        if pairs:
+            same = sum(a is not None and a == b for a, b in pairs)
+            tokens = sum(a is not None and b is not None and a["tokens"] == b["tokens"] for a, b in pairs)
+            lines.append(f"Each prompt's first alone answer with {label} against {first_label} "
+                         f"({Path(report['model']).name}): {same} of {len(pairs)} identical token for token and "
+                         f"logprob for logprob, {tokens} of {len(pairs)} token for token.")
+    return lines
 
 
 TABLES = {"invariance": invariance_table, "scaling": scaling_table, "load": load_table, "grammar-decode": grammar_decode_table, "generate": generate_table,

@@ -44,6 +44,11 @@ def test_a_server_run_compares_every_answer_with_the_first_alone_one_and_fp32_to
     printed = capsys.readouterr().out
     assert "first differing token" in printed and "amid others:" in printed
     assert "of 4 identical, token for token and logprob for logprob" in printed
+    from benchmarks.invariance import keep_first_answers  # --keep-answers first: what a docs/results file keeps
+
+    kept = keep_first_answers(json.loads(out.read_text()))["runs"]["SPECULATIVE=off"]
+    assert kept["summary"] == counts and all(set(p["answers"]) == {"alone 1"} for p in kept["prompts"])
+    assert [p["answers"]["alone 1"] for p in kept["prompts"]] == [p["answers"]["alone 1"] for p in run["prompts"]]
 
 
 def test_the_op_finder_names_the_module_whose_rows_depend_on_the_others(tiny_dir, tmp_path, capsys):
@@ -117,3 +122,19 @@ def test_kernel_probe_tells_a_row_invariant_kernel_from_one_that_sees_its_neighb
     sees_neighbours = lambda rows: rows * 2 + rows.mean()  # noqa: E731 - every row shifted by the call's mean
     assert invariance_kernels.differing_rows(sees_neighbours, x) == list(invariance_kernels.ROWS[1:])
     assert invariance_kernels.differing_rows(lambda rows: rows * 2 + 1, x) == []
+
+
+def test_the_docs_table_says_whether_a_second_setting_changed_the_first_alone_answers():
+    """Speculation on against off must not change an answer: the table counts, from the answers the file keeps,
+    how many prompts' first alone answers are the first setting's, whole and token for token."""
+    from benchmarks import run_tables
+
+    def answer(logprob: float) -> dict:
+        return {"answers": {"alone 1": {"tokens": [["a", [97]]], "logprobs": [logprob]}}, "compared": {}}
+
+    report = {"model": "/m/qwen", "prompt_lens": [3, 40], "settings": {"rounds": 1, "max_tokens": 1, "env": []},
+              "runs": {"SPECULATIVE=ngram": {"prompts": [answer(-0.5), answer(-0.25)]},
+                       "SPECULATIVE=off": {"prompts": [answer(-0.5), answer(-0.125)]}}}
+    assert ("Each prompt's first alone answer with SPECULATIVE=off against SPECULATIVE=ngram (qwen): 1 of 2 "
+            "identical token for token and logprob for logprob, 2 of 2 token for token.") in \
+        run_tables.invariance_table([("inv.json", report)])
