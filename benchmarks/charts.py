@@ -127,8 +127,8 @@ def draw_all(results: Path, out: Path) -> list[Path]:
         ax.set_title("Prefix cache and n-gram speculation: on against off", fontsize=10)
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "shortcuts.png"))
-    for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling"
-                         and not (r.get("settings") or {}).get("load_only")):  # --load-only: no speed to draw
+    for name, report in ((n, r) for n, r in runs.items() if r.get("bench") == "scaling" and len(r["sizes"]) > 1
+                         and not (r.get("settings") or {}).get("load_only")):  # no line to draw, no speed to draw
         fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
         scaling_axes(axes, report)
         written.append(_save(fig, out / f"{name}.png"))
