@@ -92,7 +92,9 @@ def test_load_only_records_the_loads_memory_and_time_to_ready_and_no_speed(tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     served = json.loads(out.read_text())["sizes"]["tiny"]["servers"]["ours-int8"]
     assert not [k for k in served if k.endswith(" streams") or k.startswith(("idle TTFT", "decode at"))], served
-    assert served["ready_s"] > 0 and served["memory_at_end"]["peak"] >= served["memory_after_first_request"]["rss"] > 0
+    # VmHWM is at least VmRSS within one read of /proc (the kernel takes the larger), not against an earlier read
+    assert served["ready_s"] > 0 and served["memory_at_end"]["peak"] >= served["memory_at_end"]["rss"] > 0
+    assert served["memory_after_first_request"]["rss"] > 0
     assert served["weight_bytes"]["int8"] > 0
     from benchmarks import run_tables
 
