@@ -286,7 +286,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     computes a row the same way at any row count is checked after (app/models/invariance.py).
     dtype: what the model runs in, where it was loaded narrower (a bf16 checkpoint served in fp32, so that loading
     peaks at the checkpoint's size, not fp32's): each linear is quantized from its loaded weights (read in fp32,
-    one layer at a time), and every float left (norms, biases) is cast to `dtype` after, exactly.
+    one layer at a time), and every float left (norms, biases) is widened to `dtype` after, exactly.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
@@ -322,8 +322,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
     quantize_embedding(model, dtype)
-    _cast_floats_left(model, dtype)
-    keep_own_copies(model)
+    keep_own_copies(model, dtype)
     return kernel
 
 
@@ -353,37 +352,26 @@ _QUANTIZED = (Int4Linear, WeightOnlyInt8Linear, DynamicInt8Linear, Int8Embedding
 
 
 @torch.no_grad()
-def _cast_floats_left(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every float parameter (norms, biases) and every float buffer outside the quantized layers, loaded narrower
-    than `dtype`, cast to it: the model then runs as if loaded in `dtype`. Only widening, which is exact; a buffer
-    the model keeps in fp32 on purpose (rotary frequencies) is left alone. A quantized layer's own buffers (int4's
-    bf16 scales) are its format, not the loaded floats."""
-    def narrower(t: torch.Tensor) -> bool:
-        return t.is_floating_point() and t.dtype != dtype and t.element_size() < dtype.itemsize
-
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if narrower(param):
-                param.data = param.data.to(dtype)
-        if not isinstance(module, _QUANTIZED):
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and narrower(buffer):
-                    module._buffers[name] = buffer.to(dtype)
-
-
-@torch.no_grad()
-def keep_own_copies(model: nn.Module) -> None:
+def keep_own_copies(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Every parameter and buffer in memory of its own, so that no view of the checkpoint's mapped file outlives
-    loading (the module docstring). A quantized layer's bias is still the loaded one; its other tensors are new."""
+    loading (the module docstring). A float loaded narrower than `dtype` (the norms and biases of a bf16 checkpoint
+    served in fp32) is widened to it in the same copy, which is exact: the model then runs as if loaded in `dtype`,
+    and a buffer kept in fp32 on purpose (rotary frequencies) stays as it is. A quantized layer's own buffers (int4's
+    bf16 scales) are its format, new already, and left alone; its bias is the loaded one, copied like the rest."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point() and t.element_size() < dtype.itemsize:
+            return t.to(dtype, copy=True)
+        return t.clone()
+
     seen: set[int] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) not in seen:  # a tied parameter: once
                 seen.add(id(param))
-                param.data = param.data.clone()
-        if not isinstance(module, (Int4Linear, WeightOnlyInt8Linear, Int8Embedding)):
+                param.data = own(param.data)
+        if not isinstance(module, _QUANTIZED):
             for name, buffer in module.named_buffers(recurse=False):
-                module._buffers[name] = buffer.clone()
+                module._buffers[name] = own(buffer)
 
 
 def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], wanted: Callable[[nn.Linear], bool]) -> int:
