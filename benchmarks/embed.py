@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 
 from app.config import Settings
 from app.models.fetch import EMBEDDED, fetch_model
+from benchmarks.processes import free_port
 
 SENTENCES = [
     "The capital of France is Paris, a city on the Seine.", "我喜欢在周末去公园散步。",
@@ -42,12 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--texts", type=int, default=64, help="texts embedded per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str) -> tuple[subprocess.Popen, str]:

@@ -4,7 +4,6 @@ the real embedded models (fetched by `make setup`), and a real uvicorn server on
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import uvicorn
 from app.config import Settings
 from app.models.fetch import fetch_model
 from app.models.loading import LoadedModel, load_model
+from benchmarks.processes import free_port  # noqa: F401 (tests import it from here)
 
 MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
 CORPUS = [
@@ -156,12 +156,6 @@ def qwen_fp32() -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm_fp32() -> LoadedModel:
     return _real("smollm2-135m-instruct", "float32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_ready(url: str, timeout: float, exited=lambda: None, interval: float = 0.05) -> None:

@@ -23,9 +23,10 @@ from torch import nn
 # batch, a prefill chunk (128 on a CPU) and past it.
 CHECK_ROWS = (1, 2, 3, 8, 17, 64, 129)
 # A check runs sum(rows) x out x in multiply-adds: 224 rows of the default model's lm_head (151,936 x 896) alone took
-# ~1 s of fp32 here. A shape checks the leading row counts that fit in this budget (the lm_head: 1 to 17 rows; every
-# other shape of the default model: all of them), and at least 1, 2 and 3.
-CHECK_MACS = 8 * 10**9
+# ~1 s of fp32 here. A shape checks the leading row counts that fit in this budget (the lm_head: 1 to 8 rows, 88
+# rows' worth with the 7 alone calls of a tile's positions; every other shape of the default model: all of them),
+# and at least 1, 2 and 3.
+CHECK_MACS = 12 * 10**9
 # "tiles": 8 rows, a full decode batch (MAX_ACTIVE's default) in one call. MKL's fp32 sgemm at M = 8 computed each
 # position of the tile as the same row alone here (AVX2, shapes 896 x 896 to 896 x 4864).
 TILE_ROWS = 8
@@ -49,7 +50,7 @@ def split_rows(call: RowCall, x: torch.Tensor, split: str) -> torch.Tensor:
 def _calls(rows: tuple[int, ...]) -> list[int]:
     """The row counts of the calls `first_variant_rows` makes for `rows`."""
     widest = max(rows)
-    return [widest] + [count for count in rows if count < widest] + [1 for count in rows if 1 < count <= TILE_ROWS]
+    return [widest] + [count for count in rows if count < widest] + [1] * (min(widest, TILE_ROWS) - 1)
 
 
 def rows_to_check(in_features: int, out_features: int) -> tuple[int, ...]:
@@ -69,17 +70,18 @@ def first_variant_rows(call: RowCall, in_features: int, dtype: torch.dtype,
                        rows: tuple[int, ...] = CHECK_ROWS, device: torch.device | str = "cpu") -> int | None:
     """The first row count in `rows` at which a call's rows differ from the same rows elsewhere, or None.
 
-    Every row of each call is compared with the same row of the widest call, and the last row of each call of up
-    to TILE_ROWS rows with that row alone (positions 0, 1, 2 and 7: every position a tile's row may hold is then
-    checked against the row alone, through the widest call). Checking every row alone would cost a call per row:
-    seconds for a large lm_head."""
+    Every row of each call is compared with the same row of the widest call, and each of the widest call's first
+    TILE_ROWS rows with that row alone: every position a tile's row may hold (an AMX Xeon's tiles are where this
+    matters), each checked against the row alone through the widest call. Checking every row alone would cost a
+    call per row: seconds for a large lm_head."""
     probe = torch.randn(max(rows), in_features, generator=torch.Generator().manual_seed(48)).to(device, dtype)
     widest = call(probe)
     for count in sorted(rows):
         if count < len(probe) and not torch.equal(call(probe[:count]), widest[:count]):
             return count
-        if 1 < count <= TILE_ROWS and not torch.equal(call(probe[count - 1 : count]), widest[count - 1 : count]):
-            return count
+    for position in range(1, min(len(probe), TILE_ROWS)):  # position 0 alone is the 1-row call above
+        if not torch.equal(call(probe[position : position + 1]), widest[position : position + 1]):
+            return len(probe)
     return None
 
 

@@ -2,8 +2,9 @@
 alone and amid other requests of other lengths, token for token and logprob for logprob (the floats compared
 exactly), with the prefix cache cold and warm, with n-gram speculation on and off, and a seeded sample repeats.
 
-In bf16, where the linears compute a row the same way at any row count on an AVX2 CPU (no native bf16: oneDNN is
-not used), so that what is left to vary is the engine's own doing: attention over a padded width, prefill chunks
+In bf16, with the linears made invariant as loading makes them (app/models/invariance.py: whole calls where bf16 is
+not native, as on an AVX2 CPU; fixed tiles where it is, AVX512_BF16 or AMX, whose whole calls vary), so that what
+is left to vary is the engine's own doing: attention over a padded width, prefill chunks
 cut by what else prefills, prefix-cache KV, verify rows. The prompts run from 3 tokens to 200, across several
 16-token pieces and the 128-token prefill budget of a step, so alone and under load their chunks and their decode
 rows' padding differ. With BATCH_INVARIANT off the same runs differ, so the comparisons are not vacuous."""
@@ -21,6 +22,7 @@ from app.core.runner.pieces import PIECE, Call, call_keys, invariant_calls
 from app.core.sampling import SamplingParams
 from app.errors import ConfigError
 from app.models.fetch import fetch_model
+from app.models.invariance import make_linears_invariant
 from app.models.loading import LoadedModel, load_model
 from arch_models import build
 from conftest import MODEL_CACHE, build_tiny_model
@@ -65,6 +67,8 @@ def bf16_lm(tokenizer, invariant: bool, attention: str = "sdpa") -> LoadedModel:
     with torch.no_grad():  # sharper still: a sampled stream repeats itself, so its n-gram drafts get accepted
         model.lm_head.weight.mul_(3)
     model.set_attn_implementation(attention)
+    if invariant:  # as load_model does: on an AMX Xeon plain bf16 F.linear gave other answers under load
+        make_linears_invariant(model, torch.bfloat16)
     return LoadedModel(model=model, tokenizer=tokenizer, name="tiny-bf16", max_context=256,
                        eos_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),), batch_invariant=invariant)
 
@@ -235,6 +239,7 @@ def test_other_attention_kinds_are_bit_identical_alone_and_amid_others(tiny_toke
     gemma3_text: sliding-window layers, whose caches keep only their window (a call's keys start past 0);
     gemma2: sliding windows on the eager function (soft-capping)."""
     model = build(family, len(tiny_tokenizer)).to(torch.bfloat16)
+    make_linears_invariant(model, torch.bfloat16)
     lm = LoadedModel(model=model, tokenizer=tiny_tokenizer, name=family, max_context=256, eos_ids=(),
                      batch_invariant=True)
     (alone, together), _, engine = run_rounds(lm, greedy(prompts), [False, True])

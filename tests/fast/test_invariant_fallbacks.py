@@ -144,9 +144,14 @@ def test_use_batch_rows_plans_each_shape_once(monkeypatch):
 def test_bf16_runs_in_fixed_tiles_where_the_cpu_multiplies_bf16_natively(tiny_tokenizer, monkeypatch):
     """On an AMX Xeon, oneDNN's bf16 kernel passed the check's row counts and still differed at others (65, 200
     rows), and a served model differed under load: there every bf16 call is a fixed tile of TILE_ROWS rows, a
-    call the check covers whole. Where bf16 is not native (a Zen 3, by its flags) whole calls stay, as checked."""
+    call the check covers whole. Where bf16 is not native (a Zen 3, by its flags) whole calls stay, as checked.
+    The rows are compared with the rows alone under the flags of this machine's own class only: told it is a Zen 3,
+    an AMX Xeon still runs its AMX kernel, whose whole calls vary at row counts a check's one probe may not meet
+    (seen here: rows of a 64-row call of the tiny o_proj)."""
     from app.models import cpu, invariance
     from cpu_flags import ZEN3_FLAGS
+
+    native_here = cpu.cpu_features().native_bf16 is not None
 
     for flags, expected in ((SAPPHIRE_RAPIDS_FLAGS, {"tiles"}), (ZEN3_FLAGS, {"whole"})):
         monkeypatch.setattr(invariance, "cpu_features", lambda flags=flags: cpu.features_from_cpuinfo(flags))
@@ -154,8 +159,9 @@ def test_bf16_runs_in_fixed_tiles_where_the_cpu_multiplies_bf16_natively(tiny_to
         make_linears_invariant(model, torch.bfloat16)
         layers = first_layer_and_head(model)
         assert {getattr(m, "split", "whole") for m in layers.values()} == expected
-        for name, layer in layers.items():
-            assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
+        if native_here == (expected == {"tiles"}):
+            for name, layer in layers.items():
+                assert rows_differ_from_alone(layer, layer.in_features, torch.bfloat16) == [], name
 
 
 def test_auto_is_on_for_a_cpu_in_fp32_and_off_where_its_cost_is_unmeasured(tiny_dir):
