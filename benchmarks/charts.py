@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SHORT = {"ours": "ours", "ours-int8": "ours int8", "ours-int4": "ours int4", "ours-compiled": "ours compiled", "ours-invariant": "ours invariant",
+SHORT = {"ours": "ours", "ours-int8": "ours int8", "ours-int4": "ours int4", "ours-int4-copy": "ours int4+copy",
+         "ours-compiled": "ours compiled", "ours-invariant": "ours invariant",
          "ours-variant": "ours variant", "llama.cpp": "llama.cpp", "transformers": "transformers",
          "transformers-cb": "transformers CB"}
 PNG = {"metadata": {"Software": None}, "dpi": 110}

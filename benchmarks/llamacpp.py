@@ -11,8 +11,10 @@ MODEL_CACHE/llama.cpp/, so only the first run pays for the build (tens of minute
 
 Which build: first tuned for this CPU (GGML_NATIVE). Every build is then smoke-run on the GGUF (the server's
 /health, then one short completion: ggml picks its kernels at the first computation, so `--version` proves
-nothing). On an Intel Xeon VM that reports AMX, the native build died with SIGILL right after "threadpool init":
-the VM did not grant the AMX instructions ggml chose. A build that crashes is rebuilt once, in its own
+nothing). On an Intel Xeon VM that reports AMX, the native build died with SIGILL right after "threadpool init",
+twice (2026-12-04, and 2026-12-05 on a family 6 model 207 Xeon, where gdb showed the faulting instruction:
+`tilezero` in ggml's AMX kernel `tinygemm_kernel_amx<block_q8_0, ...>`): the VM did not grant the AMX instructions
+ggml chose, though oneDNN's AMX kernels run there under torch. A build that crashes is rebuilt once, in its own
 folder, with portable flags: GGML_NATIVE=OFF and the instruction sets /proc/cpuinfo lists, AMX always off
 (`portable_cmake_flags`). `bench compare` prints and records which build it compared against.
 """

@@ -147,7 +147,8 @@ def step_table(runs: list[tuple[str, dict]]) -> str:
 
 
 SCALING_NAMES = {"ours": "ours, defaults", "ours-int8": "ours, `QUANT=int8`", "ours-int4": "ours, `QUANT=int4`",
-                 "llama.cpp-Q4_K_M": "llama.cpp, Q4_K_M", "llama.cpp-Q8_0": "llama.cpp, Q8_0"}
+                 "ours-int4-copy": "ours, `QUANT=int4` + `INT4_WIDE_COPY`", "llama.cpp-Q4_K_M": "llama.cpp, Q4_K_M",
+                 "llama.cpp-Q8_0": "llama.cpp, Q8_0"}
 
 
 def _mib(nbytes: int | None) -> str:
@@ -221,13 +222,14 @@ def against_llamacpp(runs: list[tuple[str, dict]]) -> str:
         return next((v for k, v in figures.items() if k.startswith(prefix)), {})
 
     head = ["size", "server", "tok/s, 1 stream", "tok/s, 8 streams", "idle TTFT, short", "decode, long context",
-            "RSS after one answer"]
+            "RSS after one answer", "RSS ÷ ours at the defaults"]  # the last: issue 49's memory goal, same run
     rows = []
     for _, r in runs:
         for size, entry in r["sizes"].items():
             peer = entry["servers"].get(PEER, {})
             if "1 streams" not in peer:
                 continue
+            defaults = entry["servers"].get("ours", {}).get("memory_after_first_request", {}).get("rss")
             for name, figures in entry["servers"].items():
                 if name not in SCALING_NAMES or name.startswith("llama.cpp") or "1 streams" not in figures:
                     continue
@@ -239,7 +241,8 @@ def against_llamacpp(runs: list[tuple[str, dict]]) -> str:
                              ratio(first(figures, "decode at ").get("tokens_per_s"),
                                    first(peer, "decode at ").get("tokens_per_s")),
                              ratio(figures["memory_after_first_request"].get("rss"),
-                                   peer["memory_after_first_request"].get("rss"))])
+                                   peer["memory_after_first_request"].get("rss")),
+                             ratio(figures["memory_after_first_request"].get("rss"), defaults)])
     if not rows:
         return ""
     return f"Each ÷ llama.cpp's Q4_K_M, same size and run:\n\n" + markdown(head, rows)

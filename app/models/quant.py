@@ -6,8 +6,8 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
   Each call quantizes its input to uint8, row by row (see DynamicInt8Linear), and multiplies int8 x uint8 with
   int32 sums. It is the fastest here at every batch size (measured: 0.15 ms against fp32's 0.42 ms for one
   896 x 4864 row, 0.25 against 1.57 ms for 8 rows). Its engine follows the CPU (app/models/cpu.py `int8_engine`):
-  oneDNN where there is AMX-INT8 (fbgemm has no AMX kernels, and torch's `x86` engine runs linears on fbgemm),
-  fbgemm's AVX512-VNNI or AVX2 kernels elsewhere; should oneDNN refuse a weight, fbgemm takes it.
+  fbgemm's AVX512-VNNI or AVX2 kernels, on an AMX CPU too (oneDNN's AMX-INT8 packing keeps the int8 original
+  beside its packed weight: 2 bytes a weight); oneDNN only where torch has no fbgemm and the CPU has AMX-INT8.
 - anything else (bf16/fp16 activations, CUDA, a CPU without fbgemm): weight-only int8,
   `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
   It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.

@@ -12,8 +12,10 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.config import Settings
+from app.models.cpu import auto_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
@@ -44,7 +46,8 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
     assert report["bench"] == "scaling" and report["machine"]["cores"] >= 1
     tiny = report["sizes"]["tiny"]
     assert tiny["shape"]["hidden_size"] == 64 and tiny["parameters"] > 0
-    formats = {"ours": "fp32", "ours-int8": "int8", "ours-int4": "int4"}
+    defaults = {torch.float32: "fp32", torch.bfloat16: "bf16"}[auto_dtype(torch.device("cpu"))[0]]  # the CPU's own
+    formats = {"ours": defaults, "ours-int8": "int8", "ours-int4": "int4"}
     for name, r in tiny["servers"].items():
         for scenario, requests in (("1 streams", 2), ("2 streams", 2), ("idle TTFT at 16 tokens", 1),
                                    ("idle TTFT at 160 tokens", 1), ("decode at 240 tokens of context", 1)):
