@@ -193,5 +193,9 @@ def test_24_concurrent_1_mib_bodies_stall_neither_probes_nor_streams(server, tin
         assert r["spanned"], report
         assert {status for status, _ in r["answers"]} <= {400, 429}, r["answers"]
         assert all("MAX_MESSAGES" in m or "MAX_PREPARING" in m for _, m in r["answers"]), r["answers"]
-        assert r["probes"] >= 5 and r["p99"] < 0.2, report
+        # A probe starts every 20 ms plus its request's time, which grows while the bodies are parsed, so a flood
+        # answered in 0.09-0.15 s (a Zen 5 here) overlapped only 3 or 4 of them: one asked for each 50 ms of flood,
+        # at least 2 and at most 5 (a stalled /health stays in the count: a probe in flight overlaps the flood).
+        assert r["probes"] >= min(5, max(2, int((r["ended"] - r["started"]) / 0.05))), report
+        assert r["p99"] < 0.2, report
     assert any(r["gap"] <= 2 * r["alone"] for r in rounds), report
