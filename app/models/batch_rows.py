@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.linears import plain_linears
-from app.models.row_check import TILE_ROWS, choose_split, split_rows
+from app.models.row_check import SPLIT_NAMES, choose_split, split_rows
 
 log = logging.getLogger("app.models.batch_rows")
 
@@ -191,7 +191,7 @@ def invariant_plan(layer: BatchRowsLinear) -> tuple[str, str]:
     if failed is not None:
         log.info("batch invariance: F.linear fp32 (%d x %d) computes a row differently depending on the call's row "
                  "count (first seen at %d rows); its rows go %s", layer.out_features, layer.in_features, failed,
-                 f"in tiles of {TILE_ROWS}" if split == "tiles" else "one call each")
+                 SPLIT_NAMES[split])
     return "plain", split
 
 

@@ -14,7 +14,7 @@ still gets invariant answers, only slower. The kernels, and what loading did for
   outside them (`generate()`, the oracle) `F.linear`, bit for bit `model.generate()`;
 - bf16 prepacked in place: only with a batch hint whose packed kernel passes (app/models/prepack.py), else plain;
   on a CPU with native bf16, every bf16 call in fixed tiles (`_half_on_native_cpu`: whole calls varied on an AMX
-  Xeon at row counts the check does not sample);
+  Xeon at row counts the check does not sample), the packed kernel too where it passes in them;
 - QUANT=int8 dynamic: an anchor row fixes the call's quantization scale (app/models/quant.py DynamicInt8Linear);
   weight-only int8 and int4 as they are; int4 never on the INT4_WIDE_COPY copy. lm_head included.
 Measured on this project's AVX2 Zen 2: every one of these passes whole. Checking the default model's six shapes
@@ -35,15 +35,13 @@ from app.models.batch_rows import BatchRowsLinear
 from app.models.cpu import cpu_features
 from app.models.prepack import PackedLinear
 from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
-from app.models.row_check import CHECK_ROWS, SPLITS, TILE_ROWS, RowSplitLinear, choose_split, rows_to_check
+from app.models.row_check import (CHECK_ROWS, SPLIT_NAMES, SPLITS, RowSplitLinear, choose_split,
+                                  rows_to_check)
 
 log = logging.getLogger("app.models.invariance")
 
 INVARIANT_MODES = ("auto", "on", "off")
 LINEAR_KINDS = (nn.Linear, BatchRowsLinear, PackedLinear, DynamicInt8Linear, WeightOnlyInt8Linear, Int4Linear)
-SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (a call of fewer rows computes "
-               f"{TILE_ROWS}: one row took ~2.6x F.linear's time here)",
-               "rows": "one call per row (each row reads the weights again: a 128-row prefill chunk ~100x slower)"}
 
 
 def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
@@ -69,9 +67,10 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     if quant != "none":
         return False, (f"auto: off with QUANT={quant} (the dynamic int8 anchor row made a one-row decode step about "
                        "a third slower, Zen 2; BATCH_INVARIANT=on to pay it)")
-    if dtype != torch.float32:
+    if dtype != torch.float32:  # bench compare, Zen 5, bf16: on ÷ off 0.74x tok/s at 1 stream, 0.69x at 8
         return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
-                       "run in fixed tiles, whose prefill cost is not measured; BATCH_INVARIANT=on to pay it)")
+                       "run in fixed tiles: about 30% of tokens/s at 1 and 8 streams on a Zen 5, docs/"
+                       "performance.md; BATCH_INVARIANT=on to pay it)")
     if no_fp32_copies:  # every linear would run in tiles of 8 rows: a one-stream step computes 8 (~2.6x here)
         return False, f"auto: off, since {no_fp32_copies} (the linears would run in tiles of 8 rows)"
     return True, "auto: on (a CPU in fp32: it measured no slower there; docs/performance.md)"
@@ -95,7 +94,7 @@ def kernel_name(layer: nn.Module) -> str:
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, name, layer) for each linear of a kind above, listed whole before any swap."""
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) in LINEAR_KINDS]
+            if type(child) in LINEAR_KINDS and not isinstance(parent, RowSplitLinear)]
 
 
 def _device(layer: nn.Module) -> torch.device:
@@ -111,14 +110,27 @@ def _half_on_native_cpu(layer: nn.Module) -> bool:
     through the device tool), oneDNN's packed bf16 kernel with batch hint 8 passed at 1 to 64 and 129 rows and
     differed at 65 and 200, and a served random-weight Qwen2.5-0.5B with whole calls still differed under load at
     layer 0's q_proj during a prefill (`--ops`). A check samples row counts; a call of exactly TILE_ROWS rows is
-    the same call at every step, so checking each position of a tile covers every call there is. What it costs
-    there: a decode step of 1 to 8 rows is one tile (the same time as one row, measured), a 128-row prefill chunk
-    16 calls instead of one."""
+    the same call at every step, so checking each position of a tile covers every call there is. And a check of
+    bf16 outputs is weak: the rounding to bf16 hides most differences of summation order. On a Zen 5, plain bf16
+    F.linear passed the load check and the kernel bench's 14 row counts, yet a 64 x 64 layer's calls of 2 to 5
+    rows differed from the rows alone for 1 random input in 20. What tiles cost: a one-row decode step computes 8
+    rows, a 128-row prefill chunk is 16 calls (Zen 5, one 4864 x 896 layer, oneDNN's packed kernel: 0.10 ms for 8
+    rows against 0.07 for one, 1.7 ms for 128 rows in tiles against 1.2 whole)."""
     weight = getattr(layer, "packed_weight", None)
     if weight is None:
         weight = getattr(layer, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
-            and weight.device.type == "cpu" and cpu_features().native_bf16 is not None)
+    return isinstance(weight, torch.Tensor) and tiles_only(weight.dtype, weight.device)
+
+
+def tiles_only(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linears of this dtype run only in fixed tiles here under BATCH_INVARIANT (`_half_on_native_cpu`)."""
+    return (dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
+            and cpu_features().native_bf16 is not None)
+
+
+def invariant_splits(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
+    """The ways a linear of this dtype may be called under BATCH_INVARIANT, before one call per row."""
+    return SPLITS[1:-1] if tiles_only(dtype, device) else SPLITS[:-1]
 
 
 @torch.no_grad()
@@ -134,7 +146,7 @@ def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool =
     shapes: set[tuple[int, int]] = set()
     for parent, name, layer in _linears(model):
         split = layer.invariant[1] if isinstance(layer, BatchRowsLinear) and layer.invariant else None
-        split = split or getattr(layer, "invariant_split", None)
+        split = split or getattr(layer, "invariant_split", None)  # prepacking's check chose it (prepack.py)
         fixed_tiles = _half_on_native_cpu(layer)
         if split is None or (fixed_tiles and split == "whole"):
             key = (type(layer), layer.out_features, layer.in_features, getattr(layer, "bias", None) is not None,
@@ -148,8 +160,8 @@ def make_linears_invariant(model: nn.Module, dtype: torch.dtype, sharded: bool =
                              layer.in_features, plans[key][1], SPLIT_NAMES[plans[key][0]])
             split = plans[key][0]
             layer.invariant_split = split
-            if split != "whole":
-                swaps.append((parent, name, RowSplitLinear(layer, split)))
+        if split != "whole" and not isinstance(layer, BatchRowsLinear):  # BatchRowsLinear splits its own calls
+            swaps.append((parent, name, RowSplitLinear(layer, split)))
         counts[kernel_name(layer), split] += 1
         shapes.add((layer.out_features, layer.in_features))
     for parent, name, wrapped in swaps:

@@ -30,7 +30,7 @@ from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
-from app.models.invariance import make_linears_invariant, resolve_batch_invariant
+from app.models.invariance import make_linears_invariant, resolve_batch_invariant, invariant_splits
 from app.models.quant import dynamic_int8_supported, quantize_linears
 from app.models.weight_memory import describe, weight_bytes_by_format
 
@@ -294,7 +294,8 @@ def _pack_bf16(model, mode: str, choices: Path | None = None, key: str = "", inv
         if not wins:
             return f"off: plain measured faster on every shape ({measured})"
     try:
-        count = prepack_linears(model, strict=mode == "true", only=only, invariant=invariant)
+        count = prepack_linears(model, strict=mode == "true", only=only, invariant=invariant,
+                                splits=invariant_splits(torch.bfloat16, torch.device("cpu")))
     except PrepackFailed as err:
         raise ConfigError(f"PREPACK=true, but {err}", param="prepack") from err
     if not count:

@@ -42,7 +42,7 @@ from torch import nn
 
 from app.models.cpu import cpu_features, prepack_support
 from app.models.linears import plain_linears
-from app.models.row_check import choose_split
+from app.models.row_check import SPLIT_NAMES, choose_split
 
 log = logging.getLogger("app.models.prepack")
 
@@ -104,30 +104,32 @@ INVARIANT_HINTS = (1, 8)
 
 @torch.no_grad()
 def prepack_linears(model: nn.Module, strict: bool = False, only: Callable[[nn.Linear], bool] | None = None,
-                    invariant: bool = False) -> int:
+                    invariant: bool = False, splits: tuple[str, ...] = ("whole",)) -> int:
     """Swap each `nn.Linear` of `model` (or each one `only` accepts) for a `PackedLinear`, in place; returns how many
     were packed.
 
     If oneDNN refuses a reorder, the layers not yet packed stay plain (one log line), or with `strict` it raises
     `PrepackFailed`. Either way each layer is `nn.Linear` or a `PackedLinear` within rounding of it, so the model
     still runs. With `invariant` (BATCH_INVARIANT) a shape is packed only with a batch hint under which its packed
-    kernel computes a row the same way at any row count (`invariant_hints`); otherwise it stays plain, and the check
-    of app/models/invariance.py then goes on from `F.linear`.
+    kernel, called in one of `splits` (app/models/row_check.py: whole calls, or fixed tiles, which are all that
+    app/models/invariance.py lets bf16 run in on a CPU with native bf16), computes a row the same way at any row
+    count (`invariant_hints`); otherwise it stays plain, and the check of app/models/invariance.py then goes on from
+    `F.linear`.
     """
     packed_count = kept = rounded = tied = 0
-    hints = invariant_hints(model, only) if invariant else {}
+    hints = invariant_hints(model, only, splits) if invariant else {}
     for parent, name, child in _packable(model):
         if child is None:
             tied += 1
             continue
         if only is not None and not only(child):
             continue
-        hint = hints.get(_shape(child)) if invariant else 1
-        if hint is None:
+        choice = hints.get(_shape(child)) if invariant else (1, None)
+        if choice is None:
             continue
         try:
-            packed = PackedLinear(child, hint)
-            packed.invariant_split = "whole" if invariant else None  # checked by invariant_hints
+            packed = PackedLinear(child, choice[0])
+            packed.invariant_split = choice[1]  # BATCH_INVARIANT: how it is called, checked by invariant_hints
         except RuntimeError as err:  # the CPU checks in app/models/cpu.py should make this unreachable
             if strict:
                 raise PrepackFailed(f"oneDNN could not reorder a bf16 weight here: {err}") from err
@@ -157,27 +159,33 @@ def _shape(linear: nn.Linear) -> tuple[int, int, bool]:
     return linear.out_features, linear.in_features, linear.bias is not None
 
 
-def invariant_hints(model: nn.Module, only: Callable[[nn.Linear], bool] | None = None) -> dict[tuple, int | None]:
-    """Per shape to pack: the first of INVARIANT_HINTS whose packed kernel computes a row the same way at any row
-    count, checked on one layer of the shape (app/models/row_check.py); None where none does."""
-    hints: dict[tuple, int | None] = {}
+def invariant_hints(model: nn.Module, only: Callable[[nn.Linear], bool] | None = None,
+                    splits: tuple[str, ...] = ("whole",)) -> dict[tuple, tuple[int, str] | None]:
+    """Per shape to pack: (batch hint, split), the first of `splits` (fastest first) in which the packed kernel of
+    one of INVARIANT_HINTS computes a row the same way at any row count, checked on one layer of the shape
+    (app/models/row_check.py); None where none does. On a Zen 5 (bf16, where only tiles run) the 896 x 4864 shape's
+    packed kernel was checked in whole calls, which varied with both hints, and the shape stayed plain: F.linear, in
+    the same tiles, where the start's own measurement gave 0.40 ms a row against the packed kernel's 0.14. Checked
+    in tiles, it passes and stays packed: served with BATCH_INVARIANT=on, 31.3 tok/s at one stream against 26.3
+    before, 84.4 against 69.1 at 8 (44.8 and 125.2 with it off; one run, docs/performance.md)."""
+    hints: dict[tuple, tuple[int, str] | None] = {}
     for _, _, linear in _packable(model):
         if linear is None or (only is not None and not only(linear)) or _shape(linear) in hints:
             continue
-        hints[_shape(linear)] = None
+        packed = {}
         for hint in INVARIANT_HINTS:
             try:
-                packed = PackedLinear(linear, hint)
+                packed[hint] = PackedLinear(linear, hint)
             except RuntimeError:  # refused: prepack_linears says so when it tries
                 break
-            if choose_split(packed, linear.in_features, linear.out_features, linear.weight.dtype,
-                            splits=("whole",))[0] == "whole":
-                hints[_shape(linear)] = hint
-                break
+        hints[_shape(linear)] = next(((hint, split) for split in splits for hint, layer in packed.items()
+                                      if choose_split(layer, linear.in_features, linear.out_features,
+                                                      linear.weight.dtype, splits=(split,))[0] == split), None)
         if hints[_shape(linear)] is None:
             log.info("prepack: a %d x %d layer's packed kernel computes a row differently at different row counts "
-                     "here (batch hints %s); that shape stays plain (BATCH_INVARIANT)",
-                     linear.out_features, linear.in_features, ", ".join(map(str, INVARIANT_HINTS)))
+                     "here (batch hints %s; %s); that shape stays plain (BATCH_INVARIANT)", linear.out_features,
+                     linear.in_features, ", ".join(map(str, INVARIANT_HINTS)),
+                     " or ".join(SPLIT_NAMES[split] for split in splits))
     return hints
 
 

@@ -96,12 +96,14 @@ def test_a_packed_fp32_copy_that_is_not_invariant_is_dropped_for_f_linear(tiny_d
         assert rows_differ_from_alone(layer, layer.in_features) == [], name
 
 
-def test_bf16_prepacking_takes_the_first_batch_hint_whose_kernel_is_invariant(monkeypatch):
-    """Native-bf16 CPUs cannot be run here: a stand-in packed kernel that is variant with hint 1 and invariant
-    with hint 8 (fp32 oneDNN's own behaviour on this CPU) is packed with 8; one variant with both stays plain, and
-    PREPACK's state says why."""
+def test_bf16_prepacking_takes_the_fastest_way_of_calling_whose_kernel_is_invariant(monkeypatch):
+    """Native-bf16 CPUs cannot be run everywhere: a stand-in packed kernel that is variant with hint 1 and invariant
+    with hint 8 (fp32 oneDNN's own behaviour on a Zen 2) is packed with 8 in whole calls; one variant at every row
+    count under both hints, in fixed tiles (where plain F.linear would go in tiles anyway: the Zen 5's 896 x 4864
+    shape); one whose row also depends on its place in the call stays plain, and PREPACK's state says why. Loading
+    checks only the ways this CPU's bf16 may take (tiles, where bf16 is native)."""
     from app.models import loading
-
+    from app.models.invariance import invariant_splits
 
     class FakePacked(nn.Module):
         def __init__(self, linear, batch_hint=1):
@@ -109,19 +111,25 @@ def test_bf16_prepacking_takes_the_first_batch_hint_whose_kernel_is_invariant(mo
             self.in_features, self.out_features, self.hint = linear.in_features, linear.out_features, batch_hint
             self.weight, self.bias = linear.weight, linear.bias
 
-        def forward(self, x):  # one F.linear per row, invariant; times the row count, not
+        def forward(self, x):  # one F.linear per row, invariant; then the injected fault
             rows = x.reshape(-1, self.in_features)
             out = torch.cat([F.linear(row[None], self.weight, self.bias) for row in rows])
-            out = out * (1 + 1e-2 * len(rows)) if self.hint in variant else out
+            if self.hint in variant:
+                out = out * (1 + 1e-6 * fault(len(rows)))  # within rounding: prepacking keeps it
             return out.reshape(*x.shape[:-1], self.out_features)
 
+    by_count, by_place = (lambda n: n), (lambda n: torch.arange(n)[:, None])
     monkeypatch.setattr(prepack, "PackedLinear", FakePacked)
-    for variant, hint in (({1}, 8), ({1, 8}, None)):
+    for variant, fault, expected in (({1}, by_count, (8, "whole")), ({1, 8}, by_count, (1, "tiles")),
+                                     ({1, 8}, by_place, None)):
         model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
-        assert set(prepack.invariant_hints(model).values()) == {hint}
+        assert set(prepack.invariant_hints(model, splits=("whole", "tiles")).values()) == {expected}
+        cpu_splits = invariant_splits(torch.bfloat16, torch.device("cpu"))
+        here = set(prepack.invariant_hints(model, splits=cpu_splits).values())
         state = loading._pack_bf16(model, "true", invariant=True)
-        if hint:
-            assert state == "on: 2 linear layers" and all(m.hint == hint for m in model)
+        if expected:
+            assert state == "on: 2 linear layers" and len(here) == 1
+            assert all((m.hint, m.invariant_split) in here for m in model)
         else:
             assert "its kernel computed a row differently at different row counts" in state
             assert all(type(m) is nn.Linear for m in model)
