@@ -67,7 +67,7 @@ def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype 
     if quant != "none":
         return False, (f"auto: off with QUANT={quant} (the dynamic int8 anchor row made a one-row decode step about "
                        "a third slower, Zen 2; BATCH_INVARIANT=on to pay it)")
-    if dtype != torch.float32:  # bench compare, Zen 5, bf16: on ÷ off 0.74x tok/s at 1 stream, 0.69x at 8
+    if dtype != torch.float32:  # bench compare, Zen 5, bf16: on ÷ off 0.70x tok/s at 1 stream, 0.67x at 8
         return False, (f"auto: off in {str(dtype).removeprefix('torch.')} (on a CPU with native bf16 the linears "
                        "run in fixed tiles: about 30% of tokens/s at 1 and 8 streams on a Zen 5, docs/"
                        "performance.md; BATCH_INVARIANT=on to pay it)")
