@@ -25,7 +25,6 @@ every request in flight or queued gets `EngineDead`, later submits too, and `ali
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import logging
 import threading
@@ -41,6 +40,7 @@ from app.core.runner.packed import enable_packed_batching
 from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
                                     without_frames)
+from app.core.engine.heap import release_free_heap
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.runner.static_step import build_decode_step
@@ -51,27 +51,6 @@ from app.models.lora import LoraAdapter, LoraAdapters
 from app.core.sampling import SamplingParams
 
 log = logging.getLogger("app.core.engine.engine")
-
-
-def release_free_heap() -> None:
-    """Give the heap's free pages back to the OS, once the engine has nothing to run.
-
-    Every step allocates and frees tensors of new sizes from several threads (the engine, the sampling pool,
-    the server's tokenizing threads), each with its own glibc arena, and glibc keeps what was freed mapped: a
-    10-minute soak saw the RSS creep up by ~4% that no cache accounted for. `malloc_trim(0)` returns it. A no-op
-    where the C library is not glibc (musl, macOS); torch's CUDA allocator is not touched.
-    """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None  # libc's malloc_trim once looked up; False where there is none
 
 
 def _past(deadline: float | None, now: float) -> bool:
