@@ -172,21 +172,27 @@ def invariant_hints(model: nn.Module, only: Callable[[nn.Linear], bool] | None =
     for _, _, linear in _packable(model):
         if linear is None or (only is not None and not only(linear)) or _shape(linear) in hints:
             continue
-        packed = {}
-        for hint in INVARIANT_HINTS:
-            try:
-                packed[hint] = PackedLinear(linear, hint)
-            except RuntimeError:  # refused: prepack_linears says so when it tries
-                break
-        hints[_shape(linear)] = next(((hint, split) for split in splits for hint, layer in packed.items()
-                                      if choose_split(layer, linear.in_features, linear.out_features,
-                                                      linear.weight.dtype, splits=(split,))[0] == split), None)
+        hints[_shape(linear)] = _first_invariant(linear, splits)
         if hints[_shape(linear)] is None:
             log.info("prepack: a %d x %d layer's packed kernel computes a row differently at different row counts "
                      "here (batch hints %s; %s); that shape stays plain (BATCH_INVARIANT)", linear.out_features,
                      linear.in_features, ", ".join(map(str, INVARIANT_HINTS)),
                      " or ".join(SPLIT_NAMES[split] for split in splits))
     return hints
+
+
+def _first_invariant(linear: nn.Linear, splits: tuple[str, ...]) -> tuple[int, str] | None:
+    """(hint, split) for `invariant_hints`: one packed copy at a time (a 7B lm_head's is 1 GB in bf16)."""
+    for split in splits:
+        for hint in INVARIANT_HINTS:
+            try:
+                packed = PackedLinear(linear, hint)
+            except RuntimeError:  # refused: prepack_linears says so when it tries
+                return None
+            if choose_split(packed, linear.in_features, linear.out_features, linear.weight.dtype,
+                            splits=(split,))[0] == split:
+                return hint, split
+    return None
 
 
 def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | None]]:
