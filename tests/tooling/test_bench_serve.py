@@ -219,12 +219,14 @@ def test_mixed_workload_sends_the_same_mixed_prompts_and_answer_lengths_for_a_se
 
 def test_burst_scenario_measures_idle_and_burst_first_tokens_beside_running_streams(fake, tmp_path, capsys):
     url, state = fake
+    # 32 tokens: a burst request streams for 0.32 s at least, so its four overlap even when a loaded machine sends
+    # them tens of ms apart (with 8, 80 ms, one had ended before the last began on a busy 2-core machine)
     res = _bench(url, tmp_path, "--burst", "4", "--background", "2", "--background-tokens", "400",
-                 "--max-tokens", "8")
+                 "--max-tokens", "32")
     bodies = state["bodies"]
     assert len(bodies) == 4 + 2 + 4 and all(b["stream"] for b in bodies)
     idle, background, burst = bodies[:4], bodies[4:6], bodies[6:]
-    assert [b["max_tokens"] for b in background] == [400, 400] and all(b["max_tokens"] == 8 for b in idle + burst)
+    assert [b["max_tokens"] for b in background] == [400, 400] and all(b["max_tokens"] == 32 for b in idle + burst)
     prompts = [b["messages"][0]["content"] for b in bodies]
     assert len({p.split(".")[0] for p in prompts}) == 10  # each opens with its own number: no shared cached prefix
     # the idle ones went one at a time, the burst all at once beside the two background streams
