@@ -36,8 +36,8 @@ Nothing of the loaded floats stays behind. transformers maps the checkpoint's fi
 while any tensor is such a view (a norm's weight, the embedding table) the file stays mapped, and every page that
 quantizing read counts in the server's RSS: 2,128 MiB of the 0.5B model's fp32 file with QUANT=int8 (here, on
 Zen 2). So after the swap every tensor left gets memory of its own (`keep_own_copies`) and the mapping closes.
-The input embedding table is held once, as int8 rows (app/models/quant_embedding.py); a tied lm_head gets its own
-int8 copy first.
+The input embedding table is held once, as int8 rows (app/models/quant_embedding.py); a tied lm_head on the
+weight-only kernel multiplies those rows, and on the dynamic one gets int8 rows of its own.
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def fbgemm_has_vnni() -> bool:
 class WeightOnlyInt8Linear(nn.Module):
     """Drop-in `nn.Linear`: int8 weights, activations kept in their own dtype (bf16, fp16 or fp32)."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None):  # dtype: the activations' (the weight's)
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None,  # dtype: the activations' (the weight's)
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):  # per_row_int8(linear.weight), made
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scales = per_row_int8(linear.weight)
+        weight, scales = quantized or per_row_int8(linear.weight)
         self.register_buffer("weight_int8", weight)  # [out, in]
         self.register_buffer("scales", scales.to(dtype or linear.weight.dtype))  # the kernel wants the activations' dtype
         self.bias = linear.bias
@@ -317,10 +318,11 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
         make = functools.partial(_dynamic_linear, engine=chosen, anchored=batch_invariant)
     else:
         make = functools.partial(WeightOnlyInt8Linear, dtype=dtype)
-    _untie_lm_head(model)
-    count = _swap_linears(model, make, lambda linear: True)  # every plain nn.Linear int4 left
+    tied = _quantize_tied_head(model, kernel, dtype)
+    count = _swap_linears(model, make, lambda linear: True) + tied  # every plain nn.Linear int4 left
     if count or not four_bits:
-        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)", count, kernel, why)
+        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s", count, kernel, why,
+                 "; the tied lm_head's int8 rows are the input embedding's, held once" if tied else "")
     quantize_embedding(model, dtype)
     keep_own_copies(model, dtype)
     return kernel
@@ -385,8 +387,17 @@ def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], want
     return count
 
 
-def _untie_lm_head(model: nn.Module) -> None:
-    """A tied lm_head shares the embedding table; quantizing it must leave the (gathered, not multiplied) table."""
+def _quantize_tied_head(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
+    """A tied lm_head (the input embedding's table, multiplied): with the weight-only kernel, int8 rows that the
+    embedding then gathers, held once (app/models/quant_embedding.py); returns 1. With the dynamic kernel, whose
+    packed weight cannot be gathered from, untied: the head is quantized as any linear, the table apart; returns 0."""
     head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
-    if isinstance(head, nn.Linear) and embed is not None and head.weight is embed.weight:
+    if not (isinstance(head, nn.Linear) and type(embed) is nn.Embedding and head.weight is embed.weight):
+        return 0
+    if kernel == "dynamic" or head.weight.device.type != "cpu":
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        return 0
+    codes, scales = per_row_int8(head.weight)
+    model.lm_head = WeightOnlyInt8Linear(head, dtype, (codes, scales))
+    model.set_input_embeddings(Int8Embedding(embed, dtype, codes, scales))
+    return 1

@@ -1,4 +1,5 @@
-"""QUANT=int8 and QUANT=int4: the input embedding table as int8 rows with a scale each, dequantized on gather.
+"""QUANT=int8 and QUANT=int4: the input embedding table as int8 rows with a scale each, dequantized on gather, and
+a tied lm_head that multiplies the same rows.
 
 Why: a step gathers a few rows of the table, so its format costs no speed, but the table is large: a fifth of
 Qwen2.5-0.5B's weights, and once the linears were quantized the largest thing the server held (in bf16, 272 MB of
@@ -6,6 +7,14 @@ the int4 server's 633 MB of weights on the embedded 0.5B model; docs/performance
 one fp32 scale per row, as QUANT=int8's linears are: each value within half a step of its row's grid. Not 4 bits
 with QUANT=int4: on the tiny test model a 4-bit table took greedy agreement with the unquantized model from 42 to
 38 of 48 tokens, and its cost on real models is not measured. A row comes back in the model's dtype.
+
+A tied lm_head (Qwen2.5 up to 3B, SmolLM2) is the same table, multiplied instead of gathered. Where it runs
+weight-only int8 (bf16 or fp16 activations: `DTYPE=bfloat16 QUANT=int8`, or a CPU without fbgemm) its int8 rows
+are this table's, held once (130 MiB saved on the 0.5B model). Not with fbgemm's dynamic int8 kernel (fp32, the
+default with QUANT): it packs its weight into a layout of its own that a gather cannot read, and the one kernel
+that could multiply the shared rows instead, torch's int8 x int8 `torch._int_mm`, took about twice fbgemm's time
+at 2 to 16 rows on a Zen 5 (docs/performance.md "Memory"). There the head keeps int8 rows of its own, as
+llama.cpp's GGUF files keep `output.weight` beside `token_embd.weight`.
 """
 
 from __future__ import annotations
@@ -33,12 +42,16 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Embedding(nn.Module):
     """The table as int8 [vocab, dim] with an fp32 scale per row. Buffers, not parameters: transformers takes a
-    model's dtype from its first floating parameter, and the model still runs in `dtype`."""
+    model's dtype from its first floating parameter, and the model still runs in `dtype`. `codes` and `scales`
+    given: the rows of an int8 lm_head that is this table (`shares`), held once."""
 
-    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype):
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype, codes: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = embedding.num_embeddings, embedding.embedding_dim, dtype
-        codes, scales = per_row_int8(embedding.weight)
+        self.shares = codes is not None
+        if codes is None:
+            codes, scales = per_row_int8(embedding.weight)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.weight_bytes = codes.numel() + scales.numel() * 4

@@ -17,6 +17,7 @@ from torch import nn
 from app.models.batch_rows import BatchRowsLinear
 from app.models.prepack import PackedLinear
 from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
+from app.models.quant_embedding import Int8Embedding
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "embeddings", "copies", "other")
 FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -36,8 +37,9 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
             out[key] += storage.nbytes()
 
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if hasattr(embedding, "weight_bytes"):  # quantized (app/models/quant_embedding.py)
-        out["embeddings"] += embedding.weight_bytes
+    if isinstance(embedding, Int8Embedding):  # quantized; a tied int8 lm_head reads the same rows (counted here)
+        add("embeddings", embedding.codes)
+        add("embeddings", embedding.scales)
     elif embedding is not None:
         add("embeddings", embedding.weight)
     for module in model.modules():
@@ -50,7 +52,8 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
             out["int8"] += module.weight_bytes
             out["copies"] += module.copy_bytes
         elif isinstance(module, WeightOnlyInt8Linear):
-            out["int8"] += module.weight_bytes
+            add("int8", module.weight_int8)
+            add("int8", module.scales)
         elif isinstance(module, PackedLinear):
             out[FLOAT_NAMES.get(module.packed_weight.dtype, "other")] += module.weight_bytes
         elif isinstance(module, (nn.Linear, BatchRowsLinear)):

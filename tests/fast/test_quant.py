@@ -90,25 +90,46 @@ def test_weight_only_int8_runs_bf16_activations(plain, tiny_tokenizer):
     assert out.dtype == torch.bfloat16 and relative_error(out, bf16(ids).logits) < 0.05
 
 
-def test_tied_lm_head_is_untied_and_the_embedding_table_kept(tiny_tokenizer):
-    """The lm_head gets its own int8 weights; the table it shared is held once, as int8 rows with a scale each,
-    and a gathered row comes back in fp32 within half a step of its row's grid."""
+def _tied_model(tokenizer):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_tied_lm_head_and_its_embedding_table_hold_the_table_once_where_the_kernel_can_share(tiny_tokenizer,
+                                                                                                 kernel):
+    """The table is held as int8 rows with a scale each: the embedding gathers them, and a gathered row comes back
+    in fp32 within half a step of its row's grid. The tied lm_head on the weight-only kernel multiplies the same
+    rows, held once; on the dynamic kernel (fbgemm's packed weight cannot be gathered from) it holds its own."""
+    model = _tied_model(tiny_tokenizer)
+    plain = copy.deepcopy(model)
     table = model.get_input_embeddings().weight.detach().clone()
-    quantize_linears(model, "int8", "weight_only")
-    embedding = model.get_input_embeddings()
-    assert isinstance(embedding, Int8Embedding) and isinstance(model.lm_head, WeightOnlyInt8Linear)
+    quantize_linears(model, "int8", kernel)
+    embedding, head = model.get_input_embeddings(), model.lm_head
+    assert isinstance(embedding, Int8Embedding)
     ids = torch.tensor([[1, 5, 9]])
     rows = embedding(ids)
     step = table.abs().amax(dim=1, keepdim=True) / 127
     assert rows.dtype == torch.float32 and bool(((rows - table[ids]).abs() <= step[ids] / 2 + 1e-7).all())
     assert model.dtype == torch.float32  # the model still runs in fp32: its first float parameter is a norm's
     vocab, dim = table.shape
-    assert weight_bytes_by_format(model)["embeddings"] == vocab * dim + 4 * vocab  # once, int8 and a scale per row
+    held = weight_bytes_by_format(model)
+    assert held["embeddings"] == vocab * dim + 4 * vocab  # int8 and a scale per row
+    body = sum(m.weight_bytes for name, m in model.named_modules() if name.startswith("model.layers.")
+               and hasattr(m, "weight_bytes"))
+    if kernel == "weight_only":
+        assert isinstance(head, WeightOnlyInt8Linear)
+        assert head.weight_int8.data_ptr() == embedding.codes.data_ptr()  # the same memory, not a copy
+        assert held["int8"] == body  # the head's rows counted once, with the embeddings (its fp32 scales too)
+    else:
+        assert isinstance(head, DynamicInt8Linear)
+        assert held["int8"] == body + head.weight_bytes >= body + vocab * dim  # a second set of rows
+    with torch.inference_mode():
+        assert relative_error(model(ids).logits, plain(ids).logits) < 0.03
 
 
 def test_bytes_per_step_count_int8_weights(plain):
