@@ -19,7 +19,7 @@ from torch import nn
 from app.config import Settings
 from app.core.generate import generate
 from app.core.sampling import SamplingParams
-from app.models.loading import load_model
+from app.models.loading import load_model, quant_auto_dtype
 from app.models.prepack import decode_bytes_per_step
 from app.models.quant import (INT4_GROUP, DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear,
                               dynamic_int8_supported, int4_kernel_missing, int4_weight, quantize_linears)
@@ -399,7 +399,8 @@ def test_a_bf16_checkpoint_loads_in_bf16_and_serves_the_same_model_as_an_fp32_lo
     build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     caplog.set_level("INFO")
-    lm = load_model(str(tmp_path), "cpu", "auto", quant=quant, batch_invariant="off")
+    # fp32 asked for: where the CPU has native bf16, QUANT=int4's `auto` is bf16 (test below)
+    lm = load_model(str(tmp_path), "cpu", "float32", quant=quant, batch_invariant="off")
     assert f"loading in bfloat16, the checkpoint's dtype: QUANT={quant}" in caplog.text
     want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     quantize_linears(want, quant, dtype=torch.float32)
@@ -413,3 +414,33 @@ def test_a_bf16_checkpoint_loads_in_bf16_and_serves_the_same_model_as_an_fp32_lo
         with torch.inference_mode():
             assert torch.equal(lm.model(ids).logits, want(ids).logits), text
         assert greedy(lm.model, tiny_tokenizer, ids[0].tolist()) == greedy(want, tiny_tokenizer, ids[0].tolist())
+
+
+@pytest.mark.parametrize("cpu_class, int4_dtype", [("SAPPHIRE_RAPIDS", torch.bfloat16), ("ZEN4", torch.bfloat16),
+                                                   ("ZEN5", torch.bfloat16), ("ZEN3", torch.float32)])
+def test_dtype_auto_with_quant_follows_the_cpu_class(cpu_class, int4_dtype):
+    """QUANT=int8 runs fbgemm's dynamic kernels, in fp32; QUANT=int4 runs in bf16 where the CPU has native bf16 (its
+    4-bit kernel's own activations; the lm_head then weight-only int8), else in fp32 for its int8 lm_head."""
+    import cpu_flags
+    from app.models.cpu import features_from_cpuinfo
+
+    if not dynamic_int8_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("no fbgemm here: QUANT leaves dtype=auto as it is")
+    features = features_from_cpuinfo(getattr(cpu_flags, f"{cpu_class}_FLAGS"), cpu_class)
+    cpu = torch.device("cpu")
+    assert quant_auto_dtype("int4", cpu, features)[0] == int4_dtype
+    assert quant_auto_dtype("int8", cpu, features)[0] == torch.float32
+    assert quant_auto_dtype("none", cpu, features) is None
+    assert "QUANT=int4" in quant_auto_dtype("int4", cpu, features)[1]
+
+
+@INT4
+def test_quant_int4_loads_in_this_cpus_dtype_with_its_head_on_the_matching_kernel(tiny_dir):
+    lm = load_model(str(tiny_dir), "cpu", "auto", quant="int4")
+    expected = quant_auto_dtype("int4", torch.device("cpu"))
+    assert expected is None or (lm.dtype, lm.dtype_reason) == expected
+    head = lm.model.lm_head
+    assert isinstance(head, WeightOnlyInt8Linear if lm.dtype == torch.bfloat16 else DynamicInt8Linear)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.inference_mode():
+        assert lm.model(ids).logits.dtype == lm.dtype
