@@ -85,7 +85,7 @@ class WeightOnlyInt8Linear(nn.Module):
     """Drop-in `nn.Linear`: int8 weights, activations kept in their own dtype (bf16, fp16 or fp32)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None,  # dtype: the activations' (the weight's)
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):  # per_row_int8(linear.weight), made
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):  # per_row_int8's, made already
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = quantized or per_row_int8(linear.weight)

@@ -9,12 +9,12 @@ with QUANT=int4: on the tiny test model a 4-bit table took greedy agreement with
 38 of 48 tokens, and its cost on real models is not measured. A row comes back in the model's dtype.
 
 A tied lm_head (Qwen2.5 up to 3B, SmolLM2) is the same table, multiplied instead of gathered. Where it runs
-weight-only int8 (bf16 or fp16 activations: `DTYPE=bfloat16 QUANT=int8`, or a CPU without fbgemm) its int8 rows
-are this table's, held once (130 MiB saved on the 0.5B model). Not with fbgemm's dynamic int8 kernel (fp32, the
-default with QUANT): it packs its weight into a layout of its own that a gather cannot read, and the one kernel
-that could multiply the shared rows instead, torch's int8 x int8 `torch._int_mm`, took about twice fbgemm's time
-at 2 to 16 rows on a Zen 5 (docs/performance.md "Memory"). There the head keeps int8 rows of its own, as
-llama.cpp's GGUF files keep `output.weight` beside `token_embd.weight`.
+weight-only int8 (bf16 or fp16 activations: QUANT=int4 on a CPU with native bf16, `DTYPE=bfloat16` with QUANT,
+or a CPU without fbgemm) its int8 rows are this table's, held once (130 MiB saved on the 0.5B model). Not with
+fbgemm's dynamic int8 kernel (QUANT=int8 in fp32): it packs its weight into a layout of its own that a gather
+cannot read, and the one kernel that could multiply the shared rows instead, torch's int8 x int8 `torch._int_mm`,
+took about twice fbgemm's time at 2 to 16 rows on a Zen 5 (docs/performance.md "Memory"). There the head keeps
+int8 rows of its own, as llama.cpp's GGUF files keep `output.weight` beside `token_embd.weight`.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Embedding(nn.Module):
     """The table as int8 [vocab, dim] with an fp32 scale per row. Buffers, not parameters: transformers takes a
     model's dtype from its first floating parameter, and the model still runs in `dtype`. `codes` and `scales`
-    given: the rows of an int8 lm_head that is this table (`shares`), held once."""
+    given: the rows of an int8 lm_head that is this table, held once."""
 
     def __init__(self, embedding: nn.Embedding, dtype: torch.dtype, codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = embedding.num_embeddings, embedding.embedding_dim, dtype
-        self.shares = codes is not None
         if codes is None:
             codes, scales = per_row_int8(embedding.weight)
         self.register_buffer("codes", codes)
