@@ -17,6 +17,7 @@ import torch
 
 from app.errors import ConfigError
 from app.models.pooling import check_width, token_limit
+from app.models.tokenizer_memory import drop_build_inputs
 
 
 class PairRow(list):
@@ -103,6 +104,7 @@ def load_cross_encoder(source: str, name: str, device: torch.device, dtype: torc
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        drop_build_inputs(tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, device_map=device)
     except OSError as err:
         raise ConfigError(f"could not load cross-encoder {name!r}: {err}", param="model") from err

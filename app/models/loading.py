@@ -32,6 +32,7 @@ from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_
                                 save_choice)
 from app.models.invariance import make_linears_invariant, resolve_batch_invariant, invariant_splits
 from app.models.quant import dynamic_int8_supported, keep_own_copies, quantize_linears
+from app.models.tokenizer_memory import drop_build_inputs
 from app.models.weight_memory import describe, weight_bytes_by_format
 
 log = logging.getLogger("app.models.loading")
@@ -189,6 +190,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         if why := unservable(config):  # before minutes of loading weights it could not serve
             raise ConfigError(f"cannot serve {name_or_path!r}: {why}", param="model")
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        drop_build_inputs(tokenizer)  # its Python vocabulary and merges: 64 MiB for Qwen2's (tokenizer_memory.py)
         if tensor_parallel > 1:
             if why := tp_plan_problem(config, tensor_parallel, name_or_path):  # before joining the other ranks
                 raise ConfigError(why, param="tensor_parallel")

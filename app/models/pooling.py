@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from app.errors import ConfigError
+from app.models.tokenizer_memory import drop_build_inputs
 
 POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len", "lasttoken")
 # The 1_Pooling/config.json flags, in sentence-transformers' spelling; the first one set wins.
@@ -226,6 +227,7 @@ def load_pooling_model(source: str, name: str, device: torch.device, dtype: torc
     config = read_pooling_config(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        drop_build_inputs(tokenizer)
         model = AutoModel.from_pretrained(source, dtype=dtype, device_map=device)
     except OSError as err:
         raise ConfigError(f"could not load embedding model {name!r}: {err}", param="model") from err

@@ -9,12 +9,14 @@ with QUANT=int4: on the tiny test model a 4-bit table took greedy agreement with
 38 of 48 tokens, and its cost on real models is not measured. A row comes back in the model's dtype.
 
 A tied lm_head (Qwen2.5 up to 3B, SmolLM2) is the same table, multiplied instead of gathered. Where it runs
-weight-only int8 (bf16 or fp16 activations: QUANT=int4 on a CPU with native bf16, `DTYPE=bfloat16` with QUANT,
-or a CPU without fbgemm) its int8 rows are this table's, held once (130 MiB saved on the 0.5B model). Not with
-fbgemm's dynamic int8 kernel (QUANT=int8 in fp32): it packs its weight into a layout of its own that a gather
-cannot read, and the one kernel that could multiply the shared rows instead, torch's int8 x int8 `torch._int_mm`,
-took about twice fbgemm's time at 2 to 16 rows on a Zen 5 (docs/performance.md "Memory"). There the head keeps
-int8 rows of its own, as llama.cpp's GGUF files keep `output.weight` beside `token_embd.weight`.
+weight-only int8 its int8 rows are this table's, held once (130 MiB saved on the 0.5B model): with bf16 or fp16
+activations (QUANT=int4 on a CPU with native bf16, `DTYPE=bfloat16` with QUANT, a CPU without fbgemm), and under
+QUANT=int8's fp32 too where the CPU multiplies bf16 natively, the head alone then computing in bf16. fbgemm's
+dynamic int8 kernel packs its weight into a layout of its own that a gather cannot read, and the one kernel that
+could multiply the shared rows with int8 activations, torch's `torch._int_mm`, took about twice fbgemm's time at 2
+to 16 rows on a Zen 5 (docs/performance.md "Memory"). So only a CPU without native bf16, where the weight-only
+kernel has no fast path, gives the head int8 rows of its own, as llama.cpp's GGUF files keep `output.weight` beside
+`token_embd.weight`.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def test_without_batch_invariant_the_speed_rules_stay(tiny_dir):
     """The default (off): int8's call shares one quantization scale, so a row differs with its neighbours; fp32's
     one row in an engine pass is still F.linear itself (the packed copy only for several rows)."""
     int8 = load_model(str(tiny_dir), device="cpu", quant="int8", batch_invariant="off")
-    assert not int8.batch_invariant and rows_differ_from_alone(int8.model.lm_head, 64) != []
+    gate = int8.model.model.layers[0].mlp.gate_proj
+    assert not int8.batch_invariant and rows_differ_from_alone(gate, 64) != []
     fp32 = load_model(str(tiny_dir), device="cpu", dtype="float32", batch_invariant="off")
     head, row = fp32.model.lm_head, torch.randn(1, 64)
     assert isinstance(head, BatchRowsLinear) and head.invariant is None and head.packed_weight is not None
@@ -111,7 +112,8 @@ def test_a_batched_prefill_gives_each_prompt_its_logits_alone_bit_for_bit(tiny_d
     """What a user sees: three prompts prefilled in one engine pass get the logits (so the logprobs and the first
     token) each gets alone, bit for bit, with the flag. Without it, int8's dynamic lm_head (int4's too, in fp32)
     quantizes the pass's rows with one shared scale, so they differ; fp32's (F.linear alone, the packed copy
-    together) may, and int4's in bf16 (weight-only int8, row by row) need not."""
+    together) may, and a weight-only int8 head (int4's in bf16, int8's tied one where the CPU has native bf16: row
+    by row) need not."""
     from app.core.runner.forward import forward
     from app.core.runner.packed import enable_packed_batching
 

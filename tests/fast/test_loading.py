@@ -249,3 +249,30 @@ def test_this_machines_flags_read_as_torch_reads_them():
 
     from_line = features_from_cpuinfo(flags)
     assert from_line.flags == here.flags and from_line.aten_capability == here.aten_capability
+
+
+def test_a_loaded_tokenizer_drops_its_python_vocabulary_and_tokenizes_as_before(tiny_dir, tmp_path):
+    """transformers' Qwen2Tokenizer keeps the Python vocabulary and merges it built its Rust tokenizer from (64 MiB
+    of objects for Qwen2.5's 151,936 tokens). The server's copy drops them and still encodes, decodes, lists its
+    vocabulary and renders the chat template as a freshly loaded one does."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "qwen2-tokenizer"
+    shutil.copytree(tiny_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    fresh = AutoTokenizer.from_pretrained(model_dir)
+    assert type(fresh).__name__ == "Qwen2Tokenizer" and len(fresh._vocab) == len(fresh) and fresh._merges
+    lm = load_model(str(model_dir), "cpu", "float32")
+    assert type(lm.tokenizer) is type(fresh)
+    assert not hasattr(lm.tokenizer, "_vocab") and not hasattr(lm.tokenizer, "_merges")
+    text = "def reverse(s):\n    return s[::-1]  # hello world"
+    ids = fresh.encode(text)
+    assert lm.tokenizer.encode(text) == ids and lm.tokenizer.decode(ids) == fresh.decode(ids) == text
+    assert lm.tokenizer.get_vocab() == fresh.get_vocab()
+    messages = [{"role": "user", "content": text}]
+    assert lm.encode_chat(messages) == fresh.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                 return_dict=False)

@@ -99,12 +99,20 @@ def _tied_model(tokenizer):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_a_tied_lm_head_and_its_embedding_table_hold_the_table_once_where_the_kernel_can_share(tiny_tokenizer,
-                                                                                                 kernel):
+TIED_CASES = [("weight_only", None)] + [("dynamic", c) for c in ("ZEN4", "ZEN3") if "dynamic" in KERNELS]
+
+
+@pytest.mark.parametrize("kernel, cpu_class", TIED_CASES)
+def test_a_tied_lm_head_and_its_embedding_table_hold_the_table_once_where_the_kernel_can_share(
+        tiny_tokenizer, monkeypatch, kernel, cpu_class):
     """The table is held as int8 rows with a scale each: the embedding gathers them, and a gathered row comes back
-    in fp32 within half a step of its row's grid. The tied lm_head on the weight-only kernel multiplies the same
-    rows, held once; on the dynamic kernel (fbgemm's packed weight cannot be gathered from) it holds its own."""
+    in fp32 within half a step of its row's grid. A tied lm_head on the weight-only kernel multiplies the same rows,
+    held once: where the kernel is weight-only anyway, and under fp32's dynamic kernel on a CPU with native bf16
+    (a Zen 4), whose head then runs weight-only in bf16 and gives fp32 logits. Without native bf16 (a Zen 3), where
+    the weight-only kernel has no fast path, the dynamic head holds its own rows (fbgemm's packed weight cannot be
+    gathered from)."""
+    if cpu_class:
+        as_cpu_class(monkeypatch, cpu_class)
     model = _tied_model(tiny_tokenizer)
     plain = copy.deepcopy(model)
     table = model.get_input_embeddings().weight.detach().clone()
@@ -121,15 +129,18 @@ def test_a_tied_lm_head_and_its_embedding_table_hold_the_table_once_where_the_ke
     assert held["embeddings"] == vocab * dim + 4 * vocab  # int8 and a scale per row
     body = sum(m.weight_bytes for name, m in model.named_modules() if name.startswith("model.layers.")
                and hasattr(m, "weight_bytes"))
-    if kernel == "weight_only":
+    if cpu_class != "ZEN3":
         assert isinstance(head, WeightOnlyInt8Linear)
+        assert head.scales.dtype == (torch.bfloat16 if kernel == "dynamic" else torch.float32)
         assert head.weight_int8.data_ptr() == embedding.codes.data_ptr()  # the same memory, not a copy
-        assert held["int8"] == body  # the head's rows counted once, with the embeddings (its fp32 scales too)
+        scales = vocab * 2 if kernel == "dynamic" else 0  # the bf16 head's own bf16 copy of the rows' scales
+        assert held["int8"] == body + scales  # the head's rows counted once, with the embeddings
     else:
         assert isinstance(head, DynamicInt8Linear)
         assert held["int8"] == body + head.weight_bytes >= body + vocab * dim  # a second set of rows
     with torch.inference_mode():
-        assert relative_error(model(ids).logits, plain(ids).logits) < 0.03
+        logits = model(ids).logits
+        assert logits.dtype == torch.float32 and relative_error(logits, plain(ids).logits) < 0.03
 
 
 def test_bytes_per_step_count_int8_weights(plain):
