@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from app.config import Settings
 from app.errors import ServeError
 from app.flags import add_settings_flags, settings_from
+from app.gpu_only_imports import skip_triton_without_cuda
 from app.models.distributed import launched_rank
 
 # the settings `python -m app batch` takes as flags (env vars set the rest, as for `serve`)
@@ -63,19 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             settings = settings_from(args)  # a bad flag is refused before the server's imports
+            skip_triton_without_cuda(settings.device)
             from app.server import run_server, run_tensor_parallel_follower
 
             if settings.tensor_parallel > 1 and launched_rank(settings.tensor_parallel) > 0:
                 return run_tensor_parallel_follower(settings)  # rank 0 serves; the others run its passes
             return run_server(settings)
         if args.command == "generate":
+            settings = settings_from(args, keys=("model", "device", "dtype", "prepack", "quant"))
+            skip_triton_without_cuda(settings.device)
             from app.cli import run_generate
 
-            return run_generate(args, settings_from(args, keys=("model", "device", "dtype", "prepack", "quant")))
+            return run_generate(args, settings)
         if args.command == "batch":
+            settings = settings_from(args, keys=BATCH_FLAGS)
+            skip_triton_without_cuda(settings.device)
             from app.batch.cli import run_batch
 
-            return run_batch(args.input, args.output, args.resume, settings_from(args, keys=BATCH_FLAGS))
+            return run_batch(args.input, args.output, args.resume, settings)
         if args.command == "fetch-model":
             from app.models.fetch import fetch_model
 

@@ -18,6 +18,7 @@ from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
 from app.core.structured.schema_check import GrammarLimits
 from app.errors import ConfigError
+from app.gpu_only_imports import SKIPPED, triton_skipped
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model, serves_embeddings
 from app.models.lora import LoraAdapters
@@ -92,6 +93,8 @@ class ServerState:
         try:
             if self.lm is None:
                 log.info("loading model %s (device=%s, dtype=%s)", s.model, s.device, s.dtype)
+                if triton_skipped():
+                    log.info(SKIPPED)
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
