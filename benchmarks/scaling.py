@@ -217,6 +217,12 @@ def server_command(name: str, model_dir: Path, gguf: Path | None, llama_server: 
     return llamacpp.server_command(llama_server, gguf, port, parallel=max(streams), context_per_slot=context)
 
 
+# Each server's memory is read this long after its last answer: ours gives the heap's free pages back to the OS once
+# its engine is idle (app/core/engine/heap.py), so a read straight after the answer raced that, and QUANT=int4's RSS
+# at 0.5B varied from 819 to 880 MiB between runs of the same tree (Zen 5). The peak (VmHWM) is kept either way.
+SETTLE_S = 2.0
+
+
 def resident(pid: int) -> dict:
     """The process's VmRSS, RssAnon, RssFile and VmHWM in bytes, from /proc (empty where there is none)."""
     try:
@@ -249,6 +255,7 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
             return {"crashed": str(err)}
         ready_s = time.perf_counter() - started
         bench_serve.measure(load(max_tokens=4, seed=10_000))  # one short request
+        time.sleep(SETTLE_S)
         figures: dict = {"ready_s": ready_s, "memory_after_first_request": resident(proc.pid)}
         for index, count in enumerate([] if args.load_only else streams):
             r = bench_serve.measure(load(concurrency=count, requests=args.requests, seed=1000 * (index + 1)))
@@ -267,6 +274,7 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
             figures[f"decode at {args.long_context} tokens of context"] = {
                 "tokens_per_s": 1 / itl if itl else None, "requests": r["requests"],
                 "prompt_tokens": r["prompt_tokens_mean"]}
+        time.sleep(SETTLE_S)
         figures["memory_at_end"] = resident(proc.pid)
         if proc.poll() is not None:
             return {"crashed": f"crashed during the run ({llamacpp.describe_exit(proc.returncode)}); see {log}"}
