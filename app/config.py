@@ -61,9 +61,10 @@ class Settings(BaseSettings):
                                                    "(faster, not exact; quality measured by `bench quality`); int4: "
                                                    "the decoder's linears read 4 bits in groups of 32, the lm_head "
                                                    "int8. Either holds the embedding table as int8 rows and nothing "
-                                                   "of the loaded floats. With DTYPE=auto, int8 runs in fp32 "
-                                                   "(fbgemm's int8 kernels), int4 in bf16 where the CPU has native "
-                                                   "bf16, else fp32")
+                                                   "of the loaded floats; a tied lm_head multiplies those rows, "
+                                                   "except under int8 on a CPU without native bf16. With DTYPE=auto, "
+                                                   "int8 runs in fp32 (fbgemm's int8 kernels), int4 in bf16 where "
+                                                   "the CPU has native bf16, else fp32")
     int4_wide_copy: bool = Field(False, description="QUANT=int4 on a CPU with native bf16 (AVX512_BF16, AMX): "
                                  "calls of over 4 rows (prefill chunks, many streams) multiply a bf16 copy of the "
                                  "4-bit weights, faster there but 2 bytes a weight more memory, more than bf16's "

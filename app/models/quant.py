@@ -40,8 +40,9 @@ The input embedding table is held once, as int8 rows (app/models/quant_embedding
 weight-only kernel multiplies those rows. Under the dynamic kernel (fp32) the tied head still takes the weight-only
 one on the shared rows, in bf16, where the CPU multiplies bf16 natively: 4.1 ms for Qwen2.5-0.5B's 151,936 x 896
 head at one row against fbgemm's 2.4, 8.7 against 5.5 at 8 rows (the weight-only kernel in fp32: 45 ms), for 130 MiB
-less (Zen 5; served, one stream about as fast, 8 streams about 6% slower; docs/performance.md "Memory"). Without
-native bf16 the head gets int8 rows of its own, beside the table's, as llama.cpp's GGUF files keep `output.weight`.
+less (Zen 5; served, one stream as fast, 8 streams 0.78x and 0.94x in two A/B runs; docs/performance.md
+"Memory"). Without native bf16 the head gets int8 rows of its own, beside the table's, as llama.cpp's GGUF files
+keep `output.weight`.
 """
 
 from __future__ import annotations
