@@ -78,7 +78,11 @@ def test_the_batch_command_shows_progress_and_resumes_after_ctrl_c_without_repea
     # first run: stderr on a terminal (a pty), so tqdm draws its bar; Ctrl-C (SIGINT) once some lines are written
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal 120 columns wide
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=secondary, cwd=os.getcwd())
+    # Ctrl-C at a terminal reaches a process whose SIGINT is the default; a suite started as a background job of a
+    # non-interactive shell (`make test &`) hands its children SIGINT ignored, and Python then installs no handler:
+    # the command ran to its end and exited 0 instead of 130. So the child gets the terminal's default back.
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=secondary, cwd=os.getcwd(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(secondary)
     try:
         deadline = time.monotonic() + 120
