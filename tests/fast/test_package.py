@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,3 +124,27 @@ def test_serve_and_generate_import_no_benchmark():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
     assert "port" in done.stderr  # the bad value was refused by Settings, naming the setting
+
+
+@pytest.mark.full  # a process of its own: about 5 s
+def test_a_server_without_cuda_never_maps_triton():
+    """xgrammar installs triton for its GPU kernels and torch imports it whenever it is installed: 70 MiB of a CPU
+    server's memory. `python -m app serve --device cpu` skips it before its imports, and structured outputs' mask
+    (xgrammar's CPU kernel) still runs; tests/compile/test_compile_without_triton.py runs torch.compile so."""
+    probe = (
+        "from app.gpu_only_imports import skip_triton_without_cuda, triton_skipped\n"
+        "assert skip_triton_without_cuda('cpu') and triton_skipped()\n"
+        "import app.server, torch, xgrammar\n"
+        "assert 'libtriton' not in open('/proc/self/maps').read()\n"
+        "logits = torch.zeros(1, 64)\n"
+        "mask = xgrammar.allocate_token_bitmask(1, 64)\n"
+        "mask[0] = 0\n"
+        "mask[0, 0] = 0b1010\n"  # tokens 1 and 3 allowed, no other
+        "xgrammar.apply_token_bitmask_inplace(logits, mask)\n"
+        "assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]\n"
+        "print('ok')\n")
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("no /proc here to read the process's mappings from")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
