@@ -81,7 +81,7 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
                 lambda x, p=packed: torch.ops.quantized.linear_dynamic(x, p, True))
             kernels[f"int8 dynamic ({engine}), fixed range"] = anchored_int8(packed, True)
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        from app.models.quant import int4_weight
+        from app.models.quant_int4 import int4_weight
 
         codes, scales_and_zeros, _ = int4_weight(weight, INT4_GROUP)
         packed4, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_and_zeros.bfloat16()

@@ -28,7 +28,8 @@ from torch.nn import functional as F
 from app.config import Settings
 from app.models.cpu import cpu_features
 from app.models.loading import load_model
-from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported, int4_weight
+from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported
+from app.models.quant_int4 import int4_weight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

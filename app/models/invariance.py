@@ -34,7 +34,8 @@ from torch import nn
 from app.models.batch_rows import BatchRowsLinear
 from app.models.cpu import cpu_features
 from app.models.prepack import PackedLinear
-from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
+from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+from app.models.quant_int4 import Int4Linear
 from app.models.row_check import (CHECK_ROWS, SPLIT_NAMES, SPLITS, RowSplitLinear, choose_split,
                                   rows_to_check)
 

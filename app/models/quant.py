@@ -12,20 +12,7 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
   `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
   It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.
 
-`QUANT=int4`: the decoder's linear layers read 4-bit weights, group-wise affine (group INT4_GROUP), on
-`aten._weight_int4pack_mm_for_cpu`, whose kernel follows ATen's CPU capability (AVX2, AVX-512) by itself; the
-activations go in as bf16, its fast path (fp32 ones measured 20x slower). That kernel reads the weights again for
-every row, so on an AMX Xeon a bf16 copy of the same 4-bit weights for calls of more than Int4Linear.DECODE_ROWS rows
-took the first token from 508 to 159 ms and 8 streams from 54 to 95 tok/s (docs/performance.md). But the copy holds 2
-bytes a weight beside the 4-bit ones: int4 then held more than bf16 itself (a Zen 4's RSS: 3,533 MiB against the
-defaults' 1,827), which is the memory a user picks int4 to save. So the copy is opt-in (INT4_WIDE_COPY, off by
-default; the start log states its bytes) and only where the CPU multiplies bf16 natively (AVX512_BF16, AMX).
-The lm_head stays int8: torch's int4 kernel took 9.7 ms on its 151,936 x 896 weight for one row, dynamic int8 6.1
-ms (Zen 3).
-Where the kernel is missing (CUDA here, a torch without it) the model gets int8 instead, and the log says so.
-Each group's smallest and largest weight are its codes 0 and 15, as in a Q4_1 or Q4_K block, so a GGUF block
-that uses both ends (SmolLM2's Q4_1 weights) comes back with the same codes (tests/fast/test_quant.py). The
-embedded Qwen's "Q4_K_M" is mostly Q5_0, Q6_K and Q8_0, which 4 bits round: 4-8% weight error (docs/performance.md).
+`QUANT=int4`: the decoder's linear layers read 4-bit weights instead (app/models/quant_int4.py), the lm_head int8.
 
 None is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
@@ -55,16 +42,15 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
 from app.models.quant_embedding import Int8Embedding, per_row_int8
+from app.models.quant_int4 import INT4_GROUP, Int4Linear, int4_kernel_missing
 
 log = logging.getLogger("app.models.quant")
 
 QUANT_MODES = ("none", "int8", "int4")
-INT4_GROUP = 32  # a Q4_K sub-block's size; `python -m benchmarks kernels --group-sizes` measures the others
 
 
 def dynamic_int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -108,84 +94,6 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def int4_weight(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (4-bit codes as int32 [out, in], scales_and_zeros [in / group, out, 2], the dequantized
-    weight): per group of `group` input weights, the smallest maps to code 0 and the largest to 15, as a Q4_K
-    sub-block's scale and minimum do. The kernel computes (code - 8) x scale + zero."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    groups = w.reshape(out_f, in_f // group, group)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    codes = torch.round((groups - low) / scale).clamp(0, 15)
-    dequantized = (codes * scale + low).reshape(out_f, in_f)
-    zero = low + 8 * scale
-    scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
-    return codes.to(torch.int32).reshape(out_f, in_f), scales_and_zeros, dequantized
-
-
-def int4_kernel_missing(device: torch.device) -> str | None:
-    """Why `Int4Linear` cannot run here, or None."""
-    if device.type != "cpu":
-        return f"torch's int4 kernel for {device.type} is not wired in here"
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
-    return None
-
-
-class Int4Linear(nn.Module):
-    """Drop-in `nn.Linear` (CPU): 4-bit weights in groups of `group` inputs, packed for aten's int4 CPU kernel.
-
-    That kernel reads the weights again for every row: its time grows with the rows (AMX Xeon, one 4864 x 896
-    layer: 0.11 ms at 1 row, 0.41 at 8, 6.3 at 128, where bf16 took 0.32, 0.35 and 0.66). With `wide_bf16`
-    (INT4_WIDE_COPY), calls of more than DECODE_ROWS rows (prefill chunks, decode steps of many streams) multiply
-    `wide`: the same 4-bit weights, dequantized once to bf16 (and prepacked for oneDNN where it can), on the CPU's
-    native bf16 matmul. Both paths compute bf16 activations times the same weights. The copy costs 2 bytes a
-    weight (`copy_bytes`), four times the 4-bit weights; a decode step of a few streams never reads it.
-    """
-
-    # At most this many rows go to the int4 kernel. On the AMX Xeon a lone layer ran faster on the prepacked copy from
-    # 8 rows on; served, 8 streams: 95.0 tok/s with 4 here against 90.3 with 8 (docs/performance.md).
-    DECODE_ROWS = 4
-    wide_packed = False
-
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, wide_bf16: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
-        codes, scales_and_zeros, _ = int4_weight(linear.weight, group)
-        scales_and_zeros = scales_and_zeros.to(torch.bfloat16)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.bias = linear.bias
-        self.weight_bytes = self.packed.numel() * self.packed.element_size() + scales_and_zeros.numel() * 2
-        # Not a parameter or buffer: app/models/prepack.py decode_bytes_per_step leaves it out, as a step does.
-        self.wide: torch.Tensor | None = None
-        self.copy_bytes = 0
-        if wide_bf16:  # what the kernel computes, (code - 8) x scale + zero, with its bf16 scales and zeros
-            scale, zero = scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, dim=1).unbind(-1)
-            self.wide = ((codes - 8) * scale + zero).to(torch.bfloat16)
-            if cpu_features().bf16_reorder:  # oneDNN's blocked layout, as PREPACK does: 1.1-2.3x at 8-128 rows here
-                with contextlib.suppress(RuntimeError):  # oneDNN refused: the copy stays plain (app/models/prepack.py)
-                    self.wide, self.wide_packed = torch.ops.mkldnn._reorder_linear_weight(self.wide, 1), True
-            self.copy_bytes = self.in_features * self.out_features * 2
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in], any float dtype -> the same dtype
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.wide is not None and rows.shape[0] > self.DECODE_ROWS:
-            out = (torch.ops.mkldnn._linear_pointwise(rows, self.wide, None, "none", [], "") if self.wide_packed
-                   else F.linear(rows, self.wide))
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group={self.group}, wide={'bf16' if self.wide is not None else 'off'}")
 
 
 class DynamicInt8Linear(nn.Module):
@@ -396,9 +304,9 @@ def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], want
 def _quantize_tied_head(model: nn.Module, kernel: str, dtype: torch.dtype) -> int:
     """A tied lm_head (the input embedding's table, multiplied) on the weight-only kernel: int8 rows that the
     embedding then gathers, held once (app/models/quant_embedding.py); returns 1. With the dynamic kernel, whose
-    packed weight cannot be gathered from, the head still takes the weight-only kernel on the shared rows where the
-    CPU multiplies bf16 natively, in bf16; elsewhere it is untied: quantized as any linear, the
-    table apart (returns 0)."""
+    packed weight cannot be gathered from, the head still takes the weight-only kernel on the shared rows, in bf16,
+    where the CPU multiplies bf16 natively; elsewhere it is untied: quantized as any linear, the table apart
+    (returns 0)."""
     head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
     if not (isinstance(head, nn.Linear) and type(embed) is nn.Embedding and head.weight is embed.weight):
         return 0

@@ -14,13 +14,9 @@ from __future__ import annotations
 BUILD_INPUTS = ("_vocab", "_merges")  # what the tokenizer classes of transformers 5 build `_tokenizer` from
 
 
-def drop_build_inputs(tokenizer) -> int:
-    """Delete the Python vocabulary and merges a tokenizer built its Rust tokenizer from; returns how many entries
-    they held (0: nothing kept, or no Rust tokenizer to answer in their place, and then nothing is dropped)."""
-    if getattr(tokenizer, "_tokenizer", None) is None:
-        return 0
-    dropped = 0
-    for name in BUILD_INPUTS:
-        held = tokenizer.__dict__.pop(name, None)
-        dropped += len(held) if hasattr(held, "__len__") else 0
-    return dropped
+def drop_build_inputs(tokenizer) -> None:
+    """Delete the Python vocabulary and merges a tokenizer built its Rust tokenizer from; nothing where there is no
+    Rust tokenizer to answer in their place."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        for name in BUILD_INPUTS:
+            tokenizer.__dict__.pop(name, None)

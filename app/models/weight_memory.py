@@ -16,7 +16,8 @@ from torch import nn
 
 from app.models.batch_rows import BatchRowsLinear
 from app.models.prepack import PackedLinear
-from app.models.quant import DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear
+from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+from app.models.quant_int4 import Int4Linear
 from app.models.quant_embedding import Int8Embedding
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "embeddings", "copies", "other")

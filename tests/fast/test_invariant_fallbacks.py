@@ -15,7 +15,8 @@ from app.models import batch_rows, prepack, row_check
 from app.models.batch_rows import BatchRowsLinear, use_batch_rows
 from app.models.invariance import SPLIT_NAMES, make_linears_invariant
 from app.models.loading import load_model
-from app.models.quant import Int4Linear, WeightOnlyInt8Linear, quantize_linears
+from app.models.quant import WeightOnlyInt8Linear, quantize_linears
+from app.models.quant_int4 import Int4Linear
 from app.models.row_check import RowSplitLinear
 
 from conftest import build_tiny_model

@@ -21,9 +21,9 @@ from app.core.generate import generate
 from app.core.sampling import SamplingParams
 from app.models.loading import load_model, quant_auto_dtype
 from app.models.prepack import decode_bytes_per_step
-from app.models.quant import (INT4_GROUP, DynamicInt8Linear, Int4Linear, WeightOnlyInt8Linear,
-                              dynamic_int8_supported, int4_kernel_missing, int4_weight, quantize_linears)
+from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported, quantize_linears
 from app.models.quant_embedding import Int8Embedding
+from app.models.quant_int4 import INT4_GROUP, Int4Linear, int4_kernel_missing, int4_weight
 from app.models.weight_memory import weight_bytes_by_format
 
 from conftest import build_tiny_model
@@ -294,10 +294,11 @@ def test_int4_wide_calls_multiply_the_same_4_bit_weights_in_bf16():
 def as_cpu_class(monkeypatch, cpu_class: str):
     """Decide as a CPU with this class's /proc/cpuinfo flags would (tests/cpu_flags.py)."""
     import cpu_flags
-    from app.models import cpu, quant
+    from app.models import cpu, quant, quant_int4
 
     features = cpu.features_from_cpuinfo(getattr(cpu_flags, f"{cpu_class}_FLAGS"), cpu_class)
     monkeypatch.setattr(quant, "cpu_features", lambda: features)
+    monkeypatch.setattr(quant_int4, "cpu_features", lambda: features)
     monkeypatch.setattr(quant, "int8_engine", lambda: cpu.int8_engine(features))
     return features
 
