@@ -18,7 +18,7 @@ from app.anthropic.protocol import CountTokensRequest, MessagesRequest
 from app.anthropic.serving import MessagesServing
 from app.body import parse_body
 from app.core.detokenize import decode
-from app.errors import InvalidRequest, ServeError, ShuttingDown
+from app.errors import InvalidRequest, ServeError
 from app.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  default_sampling)
 from app.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
@@ -29,7 +29,7 @@ from app.openai.responses.serving import ResponsesServing
 from app.openai.responses.protocol import ResponsesRequest
 from app.openai.serving import CompletionServing
 from app.prepare import ClientGone, client_left
-from app.state import ServerState
+from app.state import ServerState, check_ready
 
 M = TypeVar("M")
 
@@ -42,11 +42,6 @@ class Unauthorized(ServeError):
         super().__init__(message, code="invalid_api_key")
 
 
-class NotReady(ServeError):
-    status = 503
-    error_type = "server_error"
-
-
 def get_state(request: Request) -> ServerState:
     return request.app.state.serve
 
@@ -57,15 +52,7 @@ State = Annotated[ServerState, Depends(get_state)]
 def require_api_key(request: Request, state: State) -> None:
     if not state.api_keys:
         return
-    # A batch line run in-process (app/batch/dispatch.py) runs as the key that created its batch. Only an
-    # in-process caller can put this in the ASGI scope: uvicorn builds a network request's scope afresh.
-    tenant = getattr(request.state, "batch_tenant", None) or None
-    if tenant is None:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        bearer = token.strip() if scheme.lower() == "bearer" else ""
-        # compared in constant time (app/auth.py); `x-api-key` is Anthropic's header
-        tenant = state.api_keys.tenant(bearer, request.headers.get("x-api-key", "").strip())
+    tenant = state.api_keys.tenant_of_headers(request.headers)  # compared in constant time (app/auth.py)
     if tenant is None:
         raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
     # who owns what it creates: LoRA adapters (app/models/lora.py), files and batches (app/batch/)
@@ -76,16 +63,6 @@ def require_api_key(request: Request, state: State) -> None:
 
 CHAT_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize",
                   "/detokenize"]
-
-
-def check_ready(state: ServerState) -> None:
-    if state.draining:
-        raise ShuttingDown()
-    if error := state.engine_error:
-        raise NotReady(error, code="engine_dead")
-    if not state.ready:
-        raise NotReady(state.load_error or "the model is still loading; retry when /ready answers 200",
-                       code="model_not_ready")
 
 
 def get_serving(state: State) -> CompletionServing:
@@ -205,8 +182,8 @@ async def messages(body: MessagesBody, request: Request, serving: Serving):
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
-async def count_tokens(body: CountTokensBody, serving: Serving) -> dict:
-    return await MessagesServing(serving).count_tokens(body)
+async def count_tokens(body: CountTokensBody, request: Request, serving: Serving) -> dict:
+    return await MessagesServing(serving).count_tokens(body, getattr(request.state, "tenant", None))
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
@@ -215,7 +192,7 @@ async def completions(body: CompletionBody, request: Request, serving: Serving):
 
 
 @router.get("/v1/models")
-async def list_models(state: State) -> dict:
+async def list_models(request: Request, state: State) -> dict:
     lm = state.lm
     embedding = state.kind == "embedding"
     model = {"id": state.settings.model_id, "object": "model", "created": 0, "owned_by": "simple-serve",
@@ -230,7 +207,8 @@ async def list_models(state: State) -> dict:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
     if lm and getattr(lm, "weight_bytes", None):  # by format (app/models/weight_memory.py)
         model["weight_bytes"] = {"total": sum(lm.weight_bytes.values()), **lm.weight_bytes}
-    return {"object": "list", "data": [model, *adapter_models(state.adapters, state.settings.model_id)]}
+    adapters = adapter_models(state.adapters, state.settings.model_id, getattr(request.state, "tenant", None))
+    return {"object": "list", "data": [model, *adapters]}
 
 
 def tenant_of(request: Request) -> str:
@@ -272,9 +250,9 @@ async def score(body: ScoreBody, request: Request, serving: Embedding) -> dict:
 
 
 @router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
-async def tokenize(body: TokenizeBody, serving: Serving) -> dict:
+async def tokenize(body: TokenizeBody, request: Request, serving: Serving) -> dict:
     if body.model is not None:
-        serving.check_model(body.model)
+        serving.check_model(body.model, getattr(request.state, "tenant", None))
     if body.messages is not None:
         ids = await serving.encode_messages(body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
     elif body.prompt is not None:
@@ -285,9 +263,9 @@ async def tokenize(body: TokenizeBody, serving: Serving) -> dict:
 
 
 @router.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
-async def detokenize(body: DetokenizeBody, serving: Serving) -> dict:
+async def detokenize(body: DetokenizeBody, request: Request, serving: Serving) -> dict:
     if body.model is not None:
-        serving.check_model(body.model)
+        serving.check_model(body.model, getattr(request.state, "tenant", None))
     return {"prompt": await serving.preparing.run(checked_decode, serving.lm.tokenizer, body.tokens,
                                                   serving.lm.max_context)}
 

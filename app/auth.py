@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from typing import Callable
 
 
 def split_keys(setting: str | None) -> tuple[str, ...]:
@@ -35,6 +36,14 @@ class ApiKeys:
         """The tenant id of one configured key (app/batch/service.py maps it to a batch owner)."""
         return self._digest(key)
 
+    def tenant_of_headers(self, headers) -> str | None:
+        """The tenant id of the key a request's headers present: `Authorization: Bearer <key>`, or Anthropic's
+        `x-api-key`. `headers`: any case-insensitive mapping (starlette's `Headers`). The routes ask it
+        (app/api.py `require_api_key`), and so does app/main.py before it lets an upload's body in."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        return self.tenant(bearer, headers.get("x-api-key", "").strip())
+
     def tenant(self, *presented: str) -> str | None:
         """The tenant id of the first presented key that is one of ours, else None. Every pair is compared, with
         no early exit, so the time taken does not say which key matched or how much of one."""
@@ -47,3 +56,13 @@ class ApiKeys:
                 if hmac.compare_digest(digest, ours) and found is None:
                     found = ours
         return found
+
+
+def priority_grant(setting: str | None, api_keys: ApiKeys) -> Callable[[str | None], bool]:
+    """PRIORITY_KEYS as a test on a request's tenant: may it send a `priority` below 0? `*`: anyone; else the
+    tenants of the keys it names (each must also be in API_KEY to be presented at all)."""
+    keys = split_keys(setting)
+    if "*" in keys:
+        return lambda tenant: True
+    granted = frozenset(api_keys.digest(key) for key in keys)
+    return lambda tenant: tenant in granted

@@ -132,6 +132,18 @@ def parse_body(raw: bytes, content_type: str | None, model: type[M], limits: Bod
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
 
 
+def validation_error_body(err: RequestValidationError) -> dict[str, Any]:
+    """OpenAI answers 400 and names the parameter; FastAPI's default is a 422 with a list."""
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    else:
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_value"}}
+
+
 def read_json(raw: bytes, content_type: str | None, limits: BodyLimits,
               bounds: dict[str, tuple[int, str]] | None = None) -> Any:
     kind = (content_type or "").split(";")[0].strip().lower()

@@ -72,11 +72,13 @@ class Settings(BaseSettings):
                                  "Ignored with BATCH_INVARIANT on")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "
                                                           "logprobs do not depend on what else is running (each op "
-                                                          "computes a row the same way at any batch; docs/"
-                                                          "walkthrough.md); auto: on for a CPU in fp32 without QUANT, "
-                                                          "with PREPACK's fp32 copies (measured no slower), off "
-                                                          "elsewhere (the start log says "
-                                                          "why; docs/performance.md gives its cost)")
+                                                          "computes a row the same way at any batch, LoRA adapters' "
+                                                          "products included; docs/walkthrough.md); refused at start "
+                                                          "for a model the engine runs one request per pass; auto: "
+                                                          "on for a CPU in fp32 without QUANT, with PREPACK's fp32 "
+                                                          "copies (measured no slower), off elsewhere and for such a "
+                                                          "model (the start log, /ready and /v1/models say why; the "
+                                                          "performance page gives its cost)")
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <key>`; several "
                                 "keys, comma-separated, are several tenants")
     prefix_cache_per_key: bool = Field(True, description="each API key reuses only prefix-cache entries made under "
@@ -109,11 +111,16 @@ class Settings(BaseSettings):
         "several adapters and the base share passes (docs/adapters.md)")
     max_loras: int = Field(4, ge=1, description="LoRA adapters loaded at once (loading one more is a 400 until one "
                            "is unloaded)")
+    max_loras_per_key: int | None = Field(None, ge=1, description="adapters one API key may hold loaded at "
+                                          "runtime, within MAX_LORAS (400 past it). Default: half the slots "
+                                          "LORA_MODULES leaves (MAX_LORAS less their count), at least 1, so that "
+                                          "one key cannot take every slot; all of them when API_KEY is one key")
     max_lora_rank: int = Field(16, ge=1, description="highest LoRA rank an adapter may have (400 past it)")
     lora_runtime_loading: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
                                        "/v1/unload_lora_adapter; needs API_KEY and LORA_ADAPTER_ROOT (refused at "
                                        "start without them); off: both answer 404. An adapter loaded at runtime "
-                                       "belongs to the key that loaded it: only that key can replace or unload it")
+                                       "belongs to the key that loaded it: only that key sees, uses, replaces or "
+                                       "unloads it, and other keys may load their own under the same name")
     lora_adapter_root: Path | None = Field(None, description="the one directory runtime loading reads adapters "
                                            "from: a `lora_path` is taken relative to it, resolved (symlinks and "
                                            "`..` followed) and refused unless it lands inside it (LORA_MODULES "
@@ -184,16 +191,36 @@ class Settings(BaseSettings):
                                    "database and file bodies (one server per directory); unset: /v1/files and "
                                    "/v1/batches answer 404 (docs/batch.md)")
     batch_max_file_bytes: int = Field(100 * 2**20, ge=1024, description="largest file POST /v1/files accepts "
-                                      "(413 past it); suffixes as KV_CACHE_BYTES")
+                                      "(413 past it): the one body allowed past MAX_REQUEST_BYTES, and only with "
+                                      "BATCH_DIR set and a valid key; suffixes as KV_CACHE_BYTES")
     batch_max_lines: int = Field(50_000, ge=1, description="requests in one batch input file (400 past it)")
     batch_max_in_progress: int = Field(8, ge=1, description="batches one API key may have unfinished at once "
                                        "(429 past it)")
-    batch_retention_s: float = Field(30 * 86400, gt=0, description="files and finished batches are deleted this "
-                                     "long after they were created (checked at start and hourly)")
-    batch_concurrency: int = Field(2, ge=1, description="batch lines running at once, across all batches; a line "
-                                   "starts only while no interactive request is in flight")
-    batch_priority: int = Field(100, description="the engine priority of batch lines (lower runs first; "
-                                "interactive requests default to 0)")
+    batch_max_files_per_key: int = Field(1000, ge=1, description="files one API key may keep in BATCH_DIR, "
+                                         "batch output and error files included (400 `files_quota_exceeded` "
+                                         "past it); without API_KEY, the whole server's")
+    batch_max_stored_bytes_per_key: int = Field(10 * 2**30, ge=1024, description="bytes of files one API key may "
+                                                "keep in BATCH_DIR, output files included (400 "
+                                                "`bytes_quota_exceeded` past it, before the upload's body is read "
+                                                "when its length says so); suffixes as KV_CACHE_BYTES")
+    batch_max_result_rows_per_key: int = Field(500_000, ge=1, description="requests in one API key's retained "
+                                               "batches, finished or not: each keeps a row in SQLite and a line "
+                                               "of an output file until BATCH_RETENTION_S (a batch past it is a "
+                                               "400 `result_rows_quota_exceeded`)")
+    batch_retention_s: float = Field(30 * 86400, gt=0, description="files (of every purpose) and finished "
+                                     "batches are deleted this long after they were created (checked at start "
+                                     "and hourly)")
+    batch_concurrency: int = Field(2, ge=1, description="batch lines in the engine at once (queued or running), "
+                                   "across all batches; they run in the slots interactive requests leave free, "
+                                   "plus BATCH_SLOTS")
+    batch_slots: int = Field(1, ge=0, description="decode slots batch lines may hold even while interactive "
+                             "requests wait: the share that keeps a batch moving under steady traffic (at most "
+                             "MAX_ACTIVE - 1; 0: batch lines run only in idle slots, and steady traffic can stop "
+                             "them)")
+    priority_keys: str | None = Field(None, description="API keys (comma-separated) whose requests may send a "
+                                      "`priority` below 0, ahead of other clients; `*`: every client. Unset: none "
+                                      "may (a 403 naming this setting); any client may send 0 or more, to run later",
+                                      repr=False)
     log_format: Literal["plain", "json"] = Field("plain", description="json: one JSON object per log line, with "
                                                  "the request id and the access line's fields")
     model_cache: Path = Field(Path.home() / ".cache" / "simple-serve", description="where embedded models are kept")
@@ -253,8 +280,18 @@ class Settings(BaseSettings):
         """The model's linears are made adaptable: adapters at start, or loading them at runtime."""
         return bool(self.lora_modules) or self.lora_runtime_loading
 
+    @property
+    def loras_per_key(self) -> int:
+        """MAX_LORAS_PER_KEY, or its default: half the runtime slots, at least 1. Half, not a fixed count, so that
+        it grows with MAX_LORAS and a key still gets most of an idle server; with one key there is no other tenant
+        to leave room for, so it gets them all."""
+        if self.max_loras_per_key is not None:
+            return self.max_loras_per_key
+        slots = self.max_loras - len(self.lora_modules)
+        return slots if len(set(split_keys(self.api_key))) <= 1 else max(1, slots // 2)
+
     @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", "batch_max_file_bytes",
-                     mode="before")
+                     "batch_max_stored_bytes_per_key", mode="before")
     @classmethod
     def _parse_bytes(cls, value: object) -> object:
         # KV_CACHE_BYTES=8GiB reads better than 8589934592.

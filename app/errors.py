@@ -52,6 +52,21 @@ class ShuttingDown(ServeError):
         super().__init__(message, code="service_unavailable")
 
 
+class PriorityNotGranted(ServeError):
+    status = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="priority_not_granted")
+
+
+class NotReady(ServeError):
+    """The model is loading, failed to load, or its engine died."""
+
+    status = 503
+    error_type = "server_error"
+
+
 class QueueTimeout(ServeError):
     """A request waited for a decode slot longer than its queue limit (QUEUE_TIMEOUT_S, or its own deadline) and
     never started. 503, not 429: the client sent nothing wrong and no faster than allowed; this replica is too busy

@@ -22,10 +22,12 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from app.anthropic.errors import anthropic_error, anthropic_status, is_messages_path
-from app.api import BODY_MODELS, WEB_DIR, public, router
+from app.api import BODY_MODELS, WEB_DIR, Unauthorized, public, require_api_key, router
 from app.batch.routes import router as batch_router
 from app.batch.service import open_batch_service
 from app.batch.store import Store, StoreError
+from app.batch.uploads import ENVELOPE_BYTES
+from app.body import validation_error_body
 from app.config import Settings
 from app.errors import ConfigError, ServeError
 from app.logs import escape_controls, served_model
@@ -48,7 +50,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     async def load() -> None:
         await state.load()
         if state.ready and state.batch_store is not None:
-            state.batches = open_batch_service(app, state)  # resumes unfinished batches
+            state.batches = open_batch_service(state)  # resumes unfinished batches
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,16 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-        # OpenAI answers 400 and names the parameter; FastAPI's default is a 422 with a list.
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            message, param = "the request body is not valid JSON", None
-        else:
-            message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
-        return error_response(request, 400, {"error": {"message": message, "type": "invalid_request_error",
-                                                       "param": param, "code": "invalid_value"}})
+        return error_response(request, 400, validation_error_body(err))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -174,7 +167,12 @@ class CatchAll:
 
 class AccessAndLimits:
     """Pure ASGI middleware: rejects oversized bodies before they are read whole, counts requests by status,
-    and writes one access line per request when its response (streamed or not) has been sent."""
+    and writes one access line per request when its response (streamed or not) has been sent.
+
+    Uploads (POST /v1/files) may be BATCH_MAX_FILE_BYTES, not MAX_REQUEST_BYTES, only where the Files API is on
+    (BATCH_DIR) and only once their key is checked, here, before any of the body is read: a 100 MiB upload without
+    a key is a 401 on its headers alone. An upload answered before its body was read whole (a 401, a quota, a wrong
+    `purpose`) closes its connection, so that the server never drains a body it refused."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -183,8 +181,10 @@ class AccessAndLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        uploads = scope.get("path") == "/v1/files" and scope.get("method") == "POST"
-        limit = self.state.settings.batch_max_file_bytes if uploads else self.state.settings.max_request_bytes
+        upload_path = scope.get("path") == "/v1/files" and scope.get("method") == "POST"
+        uploads = upload_path and self.state.batch_store is not None
+        settings = self.state.settings
+        limit = settings.batch_max_file_bytes + ENVELOPE_BYTES if uploads else settings.max_request_bytes
         started = time.perf_counter()
         status = {"code": 500}
         headers = dict(scope.get("headers", []))
@@ -193,18 +193,27 @@ class AccessAndLimits:
         info["x_request_id"], info["arrived"], info["arrived_ns"] = request_id, started, time.time_ns()
         id_header = (b"x-request-id", request_id.encode("ascii"))
         token = current_request_id.set(request_id)  # the request's tasks inherit it: its log lines carry it
+        if uploads:
+            try:
+                require_api_key(Request(scope), self.state)  # the router checks it again, as for every route
+            except Unauthorized as err:
+                try:
+                    return await self._refuse(send, 401, error_body(err), scope, [id_header, CLOSE])
+                finally:
+                    current_request_id.reset(token)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             try:
-                return await self._too_large(send, limit, scope, id_header)
+                return await self._too_large(send, limit, scope, [id_header, CLOSE] if upload_path else [id_header])
             finally:
                 current_request_id.reset(token)
-        received, too_large = 0, False
+        received, too_large, body_read = 0, False, False
 
         async def limited_receive():
-            nonlocal received, too_large
+            nonlocal received, too_large, body_read
             message = await receive()
             received += len(message.get("body", b""))
+            body_read = body_read or not message.get("more_body", False)
             if received > limit:  # chunked bodies carry no content-length
                 too_large = True
                 raise BodyTooLarge()
@@ -215,21 +224,18 @@ class AccessAndLimits:
                 return  # FastAPI turns a failed body read into its own 400; the answer is our 413
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), id_header]}
+                close = [CLOSE] if upload_path and not body_read else []
+                message = {**message, "headers": [*message.get("headers", []), id_header, *close]}
             await send(message)
 
-        # what a batch waits for before starting a line: API requests in flight that are not batch lines
-        interactive = scope.get("path") in COUNTED_PATHS and "batch_tenant" not in info
-        self.state.interactive_in_flight += interactive
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             pass
         finally:
-            self.state.interactive_in_flight -= interactive
             try:
                 if too_large:
-                    await self._too_large(send, limit, scope, id_header)
+                    await self._too_large(send, limit, scope, [id_header])
                 else:
                     self._log(scope, status["code"], started)
                     if self.state.tracing is not None and scope.get("path") in GENERATION_PATHS:
@@ -237,16 +243,20 @@ class AccessAndLimits:
             finally:
                 current_request_id.reset(token)
 
-    async def _too_large(self, send, limit: int, scope, id_header: tuple[bytes, bytes]) -> None:
+    async def _too_large(self, send, limit: int, scope, headers: list[tuple[bytes, bytes]]) -> None:
         message = f"request body exceeds {limit} bytes"
         error = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                            "code": "request_too_large"}}
-        body = json.dumps(anthropic_error(413, message) if is_messages_path(scope.get("path", "")) else error).encode()
-        await send({"type": "http.response.start", "status": 413,
+        await self._refuse(send, 413, anthropic_error(413, message) if is_messages_path(scope.get("path", ""))
+                           else error, scope, headers)
+
+    async def _refuse(self, send, status: int, error: dict, scope, headers: list[tuple[bytes, bytes]]) -> None:
+        body = json.dumps(error).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                id_header]})
+                                *headers]})
         await send({"type": "http.response.body", "body": body})
-        self._log(scope, 413, time.perf_counter())
+        self._log(scope, status, time.perf_counter())
 
     def _log(self, scope, status: int, started: float) -> None:
         path = scope.get("path", "")
@@ -277,3 +287,6 @@ class AccessAndLimits:
 
 class BodyTooLarge(Exception):
     pass
+
+
+CLOSE = (b"connection", b"close")

@@ -112,9 +112,14 @@ class AdapterSeries(Collector):
                                      "the base model)", labels=["adapter"])
         requests.add_metric([""], self.base_requests)
         tokens.add_metric([""], self.base_tokens)
+        by_name: dict[str, list[int]] = {}  # two keys may each load an adapter of one name: one series, summed
         for adapter in self.adapters.loaded() if self.adapters is not None else []:
-            requests.add_metric([adapter.name], adapter.requests)
-            tokens.add_metric([adapter.name], adapter.generated_tokens)
+            counts = by_name.setdefault(adapter.name, [0, 0])
+            counts[0] += adapter.requests
+            counts[1] += adapter.generated_tokens
+        for name, (n_requests, n_tokens) in by_name.items():
+            requests.add_metric([name], n_requests)
+            tokens.add_metric([name], n_tokens)
         yield requests
         yield tokens
 

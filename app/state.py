@@ -11,13 +11,13 @@ import gc
 import logging
 from functools import partial
 
-from app.auth import ApiKeys
+from app.auth import ApiKeys, priority_grant
 from app.body import BodyLimits
 from app.config import Settings
 from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
 from app.core.structured.schema_check import GrammarLimits
-from app.errors import ConfigError
+from app.errors import ConfigError, NotReady, ShuttingDown
 from app.gpu_only_imports import SKIPPED, triton_skipped
 from app.metrics import Metrics
 from app.models.loading import LoadedModel, load_model, serves_embeddings
@@ -72,7 +72,7 @@ class ServerState:
         # LoRA: adapters by name (app/models/lora.py); None: the model's linears stay as loaded
         self.adapters = (LoraAdapters(settings.model_id, settings.lora_modules, settings.max_loras,
                                       settings.max_lora_rank, settings.lora_runtime_loading,
-                                      settings.lora_adapter_root) if settings.lora else None)
+                                      settings.lora_adapter_root, settings.loras_per_key) if settings.lora else None)
         self.metrics.adapter_series.adapters = self.adapters  # their series live and leave with them
         self.engine: Engine | EmbeddingEngine | None = None
         self.serving: CompletionServing | None = None
@@ -81,7 +81,6 @@ class ServerState:
         self.draining = False
         self.batch_store = None  # app/batch/store.py's, when BATCH_DIR is set (opened by create_app)
         self.batches = None  # app/batch/service.py's, once the model is loaded
-        self.interactive_in_flight = 0  # API requests being served, batch lines not counted (app/main.py)
         self.load_error: str | None = None
         self.probe = GenerateProbe(settings.health_generate_timeout_s)  # /health/generate (app/probes.py)
         self.probe_prompt: list[int] = []
@@ -99,7 +98,7 @@ class ServerState:
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
                                          int4_wide_copy=s.int4_wide_copy, batch_invariant=s.batch_invariant,
-                                         decode_step=s.decode_step)
+                                         decode_step=s.decode_step, lora=s.lora)
             if self.kind == "embedding":
                 await self._load_embedding(loader)
             else:
@@ -142,7 +141,8 @@ class ServerState:
             prefix_cache_bytes = 0
         self.engine = Engine(loader, s.max_active, s.max_queue, self.metrics, s.prefill_tokens_per_step,
                              s.kv_cache_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                             speculative=s.speculative, decode_step=s.decode_step, adapters=self.adapters)
+                             speculative=s.speculative, decode_step=s.decode_step, adapters=self.adapters,
+                             batch_slots=s.batch_slots)
         self.engine.start()
         await asyncio.to_thread(self.engine.loaded.wait)
         if self.engine.load_error is not None:
@@ -154,7 +154,8 @@ class ServerState:
                                          grammar_limits(s), s.sse_send_timeout_s, self.preparing,
                                          s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
                                          self.adapters, s.max_prompt_logprob_entries,
-                                         reasoning_parser=s.reasoning_parser)
+                                         reasoning_parser=s.reasoning_parser,
+                                         priority_granted=priority_grant(s.priority_keys, self.api_keys))
         self.serving.tool_format, why = choose_tool_format(self.lm.tokenizer, s.tool_call_parser)
         self.serving.tool_markers = tool_markers(self.lm.tokenizer, self.serving.tool_format)
         log.info("tool calls: %s (%s)", self.serving.tool_format or "not served", why)
@@ -171,8 +172,11 @@ class ServerState:
         """How the model was loaded and why, for /ready and /v1/models; empty until it is loaded."""
         if self.lm is None:
             return {}
-        return {"dtype": str(self.lm.dtype).removeprefix("torch."), "dtype_reason": self.lm.dtype_reason,
+        info = {"dtype": str(self.lm.dtype).removeprefix("torch."), "dtype_reason": self.lm.dtype_reason,
                 "prepack": self.lm.prepack}
+        if self.kind == "chat":  # BATCH_INVARIANT as it holds, after the engine's say (app/models/invariance.py)
+            info["batch_invariance"] = f"{'on' if self.lm.batch_invariant else 'off'}: {self.lm.invariance}"
+        return info
 
     async def _warm_up(self) -> None:
         """One short greedy generation, so the first real request does not pay for lazy initialisation."""
@@ -216,3 +220,14 @@ class ServerState:
         # frozen is never freed, and native bindings report it (triton's nanobind printed ~30 lines of leaked
         # instances and types after every `serve` stopped). Nothing frozen (a test's model): a no-op.
         gc.unfreeze()
+
+
+def check_ready(state: ServerState) -> None:
+    """What every API request meets first: 503 while the server drains, its engine is dead or its model loads."""
+    if state.draining:
+        raise ShuttingDown()
+    if error := state.engine_error:
+        raise NotReady(error, code="engine_dead")
+    if not state.ready:
+        raise NotReady(state.load_error or "the model is still loading; retry when /ready answers 200",
+                       code="model_not_ready")

@@ -60,12 +60,12 @@ def write_sentence_transformers_files(path: Path, pooling: str, normalize: bool,
 
 
 def build_tiny_bert_dir(path: Path, pooling: str = "mean", normalize: bool = True, seed: int = 0,
-                        sentence_transformers: bool = True) -> Path:
+                        sentence_transformers: bool = True, positions: int = 128) -> Path:
     from transformers import BertConfig, BertModel
 
     tokenizer = build_wordpiece_tokenizer()
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)
+                        intermediate_size=64, max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     BertModel(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -82,12 +82,12 @@ def decoder_embedder_dir(tiny_dir: Path, path: Path) -> Path:
     return path
 
 
-def build_tiny_cross_encoder_dir(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
+def build_tiny_cross_encoder_dir(path: Path, num_labels: int = 1, seed: int = 0, positions: int = 128) -> Path:
     """A random BERT with a one-label classification head: a cross-encoder (reranker) as sentence-transformers'
     CrossEncoder loads it."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    build_tiny_bert_dir(path, seed=seed, sentence_transformers=False)
+    build_tiny_bert_dir(path, seed=seed, sentence_transformers=False, positions=positions)
     config = BertConfig.from_pretrained(path, num_labels=num_labels)
     torch.manual_seed(seed + 1)
     BertForSequenceClassification(config).eval().save_pretrained(path)

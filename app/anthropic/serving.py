@@ -45,9 +45,10 @@ class MessagesServing:
     def __init__(self, serving: CompletionServing):
         self.serving = serving
 
-    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        """The prompt a Messages request would get, counted by the served model's own tokenizer and template."""
-        self.serving.check_model(body.model)
+    async def count_tokens(self, body: CountTokensRequest, tenant: str | None = None) -> dict[str, int]:
+        """The prompt a Messages request would get, counted by the served model's own tokenizer and template.
+        `tenant`: the caller's API key, whose runtime adapters `model` may name."""
+        self.serving.check_model(body.model, tenant)
         api = MessagesApi(self.serving)
         try:
             prepared = await api.prepare(body)

@@ -4,16 +4,15 @@ route; service.py does the work. With BATCH_DIR unset they answer 404, naming th
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO, Iterator
 
-from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.requests import ClientDisconnect
 
 from app.api import State, body_schema, parsed, require_api_key
 from app.batch.service import MAX_LIST_LIMIT, BatchService, NotFound, file_object
-from app.prepare import ClientGone
+from app.batch.uploads import UPLOAD_OPENAPI, receive_upload
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -33,13 +32,10 @@ def tenant(request: Request) -> str | None:
     return getattr(request.state, "tenant", None)
 
 
-@router.post("/v1/files")
-async def upload_file(request: Request, batches: Batches, file: UploadFile, purpose: Annotated[str, Form()]) -> dict:
-    try:
-        data = await file.read()
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return await batches_call(batches.upload, tenant(request), purpose, file.filename or "", data)
+@router.post("/v1/files", openapi_extra=UPLOAD_OPENAPI)
+async def upload_file(request: Request, batches: Batches) -> dict:
+    # No `UploadFile` or `Form` parameter: FastAPI would read the whole form before the key check (uploads.py)
+    return await receive_upload(request, batches, tenant(request))
 
 
 @router.get("/v1/files")
@@ -54,9 +50,17 @@ async def retrieve_file(file_id: str, request: Request, batches: Batches) -> dic
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, request: Request, batches: Batches) -> Response:
-    data = await batches_call(batches.content, tenant(request), file_id)
-    return Response(data, media_type="application/jsonl")
+async def file_content(file_id: str, request: Request, batches: Batches) -> StreamingResponse:
+    size, f = await batches_call(batches.open_content, tenant(request), file_id)
+    return StreamingResponse(read_chunks(f), media_type="application/jsonl", headers={"content-length": str(size)})
+
+
+def read_chunks(f: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    """A file, 1 MiB at a time (starlette runs each read on a worker thread); closed at its end, or when the client
+    leaves and the generator is closed."""
+    with f:
+        while chunk := f.read(size):
+            yield chunk
 
 
 @router.delete("/v1/files/{file_id}")
@@ -96,6 +100,7 @@ async def cancel_batch(batch_id: str, request: Request, batches: Batches) -> dic
 
 
 async def batches_call(fn, *args: Any):
-    """Reading and checking a file of up to BATCH_MAX_FILE_BYTES takes a while: in a thread, not on the loop."""
+    """Reading and checking a file of up to BATCH_MAX_FILE_BYTES takes a while, and SQLite waits on its lock and
+    on fsyncs: in a thread, not on the loop."""
     return await asyncio.to_thread(fn, *args)
 

@@ -12,6 +12,7 @@ would run its lines twice.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import secrets
@@ -81,6 +82,7 @@ class Store:
             self._db.execute("PRAGMA synchronous=FULL")  # a committed line survives a power cut, not only a kill -9
             self._db.executescript(SCHEMA)
         self.owner_secret = self._secret()
+        self._remove_leftovers()
 
     def close(self) -> None:
         with self._mutex:
@@ -108,11 +110,17 @@ class Store:
 
     # ---- files ----
 
-    def add_file(self, owner: str, purpose: str, filename: str, data: bytes, expires_at: int | None = None) -> dict:
-        file_id = "file-" + uuid.uuid4().hex[:24]
-        self._write_atomically(self.file_path(file_id), [data])
+    def new_file_id(self) -> str:
+        return "file-" + uuid.uuid4().hex[:24]
+
+    def add_file(self, file_id: str, owner: str, purpose: str, filename: str, size: int,
+                 expires_at: int | None = None) -> dict:
+        """List an upload that was written whole (and fsynced) to `partial_path(file_id)`: renamed into place, then
+        its row."""
+        os.replace(self.partial_path(file_id), self.file_path(file_id))
+        fsync_dir(self.files_dir)
         self._write("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (file_id, owner, purpose, filename, len(data), int(time.time()), expires_at))
+                    (file_id, owner, purpose, filename, size, int(time.time()), expires_at))
         return self.file(file_id, owner)
 
     def file(self, file_id: str, owner: str) -> dict | None:
@@ -134,6 +142,32 @@ class Store:
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / f"{file_id}.jsonl"
 
+    def partial_path(self, file_id: str) -> Path:
+        """Where a file is written before it is whole: never listed, removed at start if a crash left it."""
+        return self.files_dir / f"{file_id}.partial"
+
+    def _remove_leftovers(self) -> None:
+        """At start, with BATCH_DIR locked (so nothing is being written): files a crash left half written, and
+        whole ones it left unlisted (killed between the rename and the row's insert)."""
+        for path in self.files_dir.glob("file-*.partial"):
+            path.unlink(missing_ok=True)
+        listed = {row["id"] for row in self._rows("SELECT id FROM files")}
+        for path in self.files_dir.glob("file-*.jsonl"):
+            if path.stem not in listed:
+                path.unlink(missing_ok=True)
+
+    # ---- quotas (service.py checks them) ----
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(files, bytes) an owner keeps, output files included."""
+        row = self._rows("SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS size FROM files WHERE owner = ?",
+                         (owner,))[0]
+        return row["n"], row["size"]
+
+    def result_rows(self, owner: str) -> int:
+        """Requests in an owner's retained batches, finished or not: each is (or will be) a row in `results`."""
+        return self._rows("SELECT COALESCE(SUM(total), 0) AS n FROM batches WHERE owner = ?", (owner,))[0]["n"]
+
     def _write_atomically(self, path: Path, chunks: Iterator[bytes] | list[bytes]) -> int:
         """Write to a temporary name, fsync, rename: the file is whole or absent, never half there."""
         tmp = path.with_suffix(".partial")
@@ -145,18 +179,40 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself survives a power cut
         return size
 
     # ---- batches ----
 
     def add_batch(self, owner: str, endpoint: str, input_file_id: str, completion_window: str, total: int,
-                  expires_at: int, metadata: dict | None) -> dict:
+                  expires_at: int, metadata: dict | None, max_in_progress: int) -> dict | None:
+        """A new batch, unless its owner already has `max_in_progress` unfinished (None then): counted and inserted
+        in one transaction, so concurrent creates cannot pass the check together."""
         batch_id = "batch_" + uuid.uuid4().hex[:24]
-        self._write("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, total, "
-                    "created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
-                    (batch_id, owner, endpoint, input_file_id, completion_window, total, int(time.time()),
-                     expires_at, json.dumps(metadata) if metadata is not None else None))
+        marks = ",".join("?" * len(UNFINISHED))
+        with self._mutex:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                (running,) = self._db.execute(f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN "
+                                              f"({marks})", (owner, *UNFINISHED)).fetchone()
+                if running >= max_in_progress:
+                    return None
+                self._db.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, "
+                                 "status, total, created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, "
+                                 "'validating', ?, ?, ?, ?)",
+                                 (batch_id, owner, endpoint, input_file_id, completion_window, total,
+                                  int(time.time()), expires_at, json.dumps(metadata) if metadata is not None
+                                  else None))
+            finally:
+                self._db.execute("COMMIT")
         return self.batch(batch_id)
+
+    def batch_using(self, file_id: str) -> str | None:
+        """The unfinished batch that reads `file_id` as its input, if any: such a file is kept until it ends."""
+        marks = ",".join("?" * len(UNFINISHED))
+        rows = self._rows(f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks}) LIMIT 1",
+                          (file_id, *UNFINISHED))
+        return rows[0]["id"] if rows else None
 
     def batch(self, batch_id: str, owner: str | None = None) -> dict | None:
         rows = self._rows("SELECT * FROM batches WHERE id = ?", (batch_id,))
@@ -199,10 +255,17 @@ class Store:
 
     # ---- results ----
 
-    def add_result(self, batch_id: str, line: int, custom_id: str, ok: bool, record: dict) -> None:
-        """One finished line, committed once (a line already recorded keeps its first result)."""
-        self._write("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
-                    (batch_id, line, custom_id, int(ok), json.dumps(record, ensure_ascii=False)))
+    def add_results(self, rows: list[tuple[str, int, str, bool, str]]) -> None:
+        """Finished lines, (batch, line, custom_id, ok, record as a JSON line), committed in one transaction: one
+        fsync for all the lines that finished while the last commit ran (a line already recorded keeps its first
+        result). Called from a thread: app/batch/runner.py's ResultWriter."""
+        with self._mutex:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
+                                     [(b, n, c, int(ok), record) for b, n, c, ok, record in rows])
+            finally:
+                self._db.execute("COMMIT")
 
     def done_lines(self, batch_id: str) -> set[int]:
         return {r["line"] for r in self._rows("SELECT line FROM results WHERE batch_id = ?", (batch_id,))}
@@ -214,34 +277,50 @@ class Store:
 
     def write_outputs(self, batch: dict, expires_at: int | None = None) -> tuple[str | None, str | None]:
         """The output file (lines that got a 200) and the error file (every other), in input order; each file is
-        created only when it has lines, as OpenAI does."""
+        created only when it has lines, as OpenAI does. Streamed from SQLite to disk on a connection of its own
+        (WAL lets it read beside the writer), never whole in memory. Each file's id is derived from the batch's, so
+        a crash while finalizing, then a restart, writes the same files again instead of new ones beside them."""
         ids = []
-        for ok, name in ((1, "output"), (0, "errors")):
-            with self._mutex:
-                records = [row[0] for row in self._db.execute(
-                    "SELECT record FROM results WHERE batch_id = ? AND ok = ? ORDER BY line", (batch["id"], ok))]
-            if not records:
-                ids.append(None)
-                continue
-            file_id = "file-" + uuid.uuid4().hex[:24]
-            size = self._write_atomically(self.file_path(file_id), [(r + "\n").encode() for r in records])
-            self._write("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (file_id, batch["owner"], "batch_output", f"{batch['id']}_{name}.jsonl", size,
-                         int(time.time()), expires_at))
-            ids.append(file_id)
+        reader = sqlite3.connect(self.root / "batches.sqlite3")
+        try:
+            for ok, name in ((1, "output"), (0, "errors")):
+                rows = reader.execute("SELECT record FROM results WHERE batch_id = ? AND ok = ? ORDER BY line",
+                                      (batch["id"], ok))
+                first = rows.fetchone()
+                if first is None:
+                    ids.append(None)
+                    continue
+                file_id = f"file-{name[:3]}-{batch['id'].removeprefix('batch_')}"
+                chunks = ((record + "\n").encode() for (record,) in itertools.chain([first], rows))
+                size = self._write_atomically(self.file_path(file_id), chunks)
+                self._write("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (file_id, batch["owner"], "batch_output", f"{batch['id']}_{name}.jsonl", size,
+                             int(time.time()), expires_at))
+                ids.append(file_id)
+        finally:
+            reader.close()
         return ids[0], ids[1]
 
     def forget_before(self, cutoff: int) -> int:
         """Retention: files and finished batches created before `cutoff` (and their results) are deleted."""
-        old = self._rows("SELECT id FROM files WHERE created_at < ?", (cutoff,))
+        marks = ",".join("?" * len(UNFINISHED))
+        in_use = f"SELECT input_file_id FROM batches WHERE status IN ({marks})"  # kept until their batch ends
+        old = self._rows(f"SELECT id FROM files WHERE created_at < ? AND id NOT IN ({in_use})", (cutoff, *UNFINISHED))
         for row in old:
             self.file_path(row["id"]).unlink(missing_ok=True)
-        marks = ",".join("?" * len(UNFINISHED))
         with self._mutex:
-            self._db.execute("DELETE FROM files WHERE created_at < ?", (cutoff,))
+            self._db.execute(f"DELETE FROM files WHERE created_at < ? AND id NOT IN ({in_use})", (cutoff, *UNFINISHED))
             gone = self._db.execute(f"SELECT id FROM batches WHERE created_at < ? AND status NOT IN ({marks})",
                                     (cutoff, *UNFINISHED)).fetchall()
             for (batch_id,) in gone:
                 self._db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
                 self._db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
         return len(old) + len(gone)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

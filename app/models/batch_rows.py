@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.linears import plain_linears
-from app.models.row_check import SPLIT_NAMES, choose_split, split_rows
+from app.models.row_check import SPLIT_NAMES, choose_split, rows_to_check, split_rows
 
 log = logging.getLogger("app.models.batch_rows")
 
@@ -91,8 +91,10 @@ class BatchRowsLinear(nn.Module):
         # within 4% of the best hint (1, 8, 16 or 64) from 2 to 32 rows.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 8) if packed else None
         # BATCH_INVARIANT: (kernel, split) for every row count of an engine pass ("packed" or "plain"; a split of
-        # app/models/row_check.py), chosen by `use_batch_rows`; None: the speed rules below
+        # app/models/row_check.py), chosen by `use_batch_rows`; None: the speed rules below. Whole calls take at
+        # most `widest` rows, the widest the check tried on this shape.
         self.invariant: tuple[str, str] | None = None
+        self.widest = max(rows_to_check(self.in_features, self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // self.in_features
@@ -103,7 +105,7 @@ class BatchRowsLinear(nn.Module):
         if self.invariant is not None:
             kernel, split = self.invariant
             out = split_rows(self.packed_rows if kernel == "packed" else self.plain_rows,
-                             x.reshape(rows, self.in_features), split)
+                             x.reshape(rows, self.in_features), split, self.widest)
             return out.reshape(*x.shape[:-1], self.out_features)
         if rows == 1:
             return F.linear(x, self.weight, self.bias)

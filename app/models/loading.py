@@ -30,7 +30,7 @@ from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
-from app.models.invariance import make_linears_invariant, resolve_batch_invariant, invariant_splits
+from app.models.invariance import cannot_hold, make_linears_invariant, resolve_batch_invariant, invariant_splits
 from app.models.quant import dynamic_int8_supported, keep_own_copies, quantize_linears
 from app.models.tokenizer_memory import drop_build_inputs
 from app.models.weight_memory import describe, weight_bytes_by_format
@@ -109,6 +109,13 @@ class LoadedModel:
         # The chat template already wrote any BOS it wants; plain prompts are taken as given.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def invariance_cannot_hold(self, why: str) -> None:
+        """The engine found BATCH_INVARIANT cannot hold for this model (`why`): `on` raises ConfigError, `auto` turns
+        off and says why (app/models/invariance.py `cannot_hold`)."""
+        self.invariance = cannot_hold(self.invariance, why)
+        self.batch_invariant = False
+        log.warning("batch invariance off: %s", self.invariance)
+
 
 def _short(err: Exception, limit: int = 500) -> str:
     """An exception's message for a client: a template's error may quote a whole (large) value."""
@@ -159,9 +166,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
                tensor_parallel: int = 1, int4_wide_copy: bool = False,
-               batch_invariant: str = "auto", decode_step: str = "eager") -> LoadedModel | PoolingModel | CrossEncoderModel:
+               batch_invariant: str = "auto", decode_step: str = "eager",
+               lora: bool = False) -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
-    (app/models/distributed.py)."""
+    (app/models/distributed.py). `lora`: LoRA adapters will be served (BATCH_INVARIANT=auto weighs them)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.distributed import DistributedConfig
 
@@ -212,7 +220,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     no_copies = (_no_fp32_copies(model, prepack, torch_device, torch_dtype)  # what `auto` weighs on a CPU in fp32
                  if batch_invariant == "auto" and quant == "none" and tensor_parallel == 1 else None)
     invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant, decode_step,
-                                                     sharded=tensor_parallel > 1, no_fp32_copies=no_copies)
+                                                     sharded=tensor_parallel > 1, no_fp32_copies=no_copies,
+                                                     lora=lora)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"

@@ -17,9 +17,12 @@ there (missing, not a peft LoRA adapter, unreadable) is refused too: by name for
 for a client's runtime load with one message whatever the cause, as for a path outside LORA_ADAPTER_ROOT, so that
 loading is no oracle for what exists on the server's disk.
 
-Ownership: an adapter loaded at runtime belongs to the tenant (API key) that loaded it, and only that tenant may
-replace (`load_inplace`) or unload it; the start-up adapters belong to no tenant, and none may. Every key may
-select any loaded adapter by name, as in vLLM, whose adapters are global too.
+Ownership: an adapter loaded at runtime belongs to the tenant (API key) that loaded it, and its name is that tenant's
+alone: only that tenant may select, list, replace (`load_inplace`) or unload it, and another tenant may load its own
+adapter under the same name (vLLM's adapters are one global namespace; here one key's names would otherwise become
+what another key's clients run). The start-up adapters (LORA_MODULES) belong to no tenant: every tenant sees them,
+none may replace or unload them, and no runtime load may take their names. Besides MAX_LORAS for the whole server,
+each tenant holds at most `max_per_owner` runtime adapters (MAX_LORAS_PER_KEY), so one key cannot take every slot.
 """
 
 from __future__ import annotations
@@ -165,18 +168,21 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tuple
 
 
 class LoraAdapters:
-    """The adapters a server holds, by name: at most `max_loras` resident, each of rank at most `max_rank`.
+    """The adapters a server holds, by owner and name: at most `max_loras` resident, at most `max_per_owner` of
+    them any one tenant's (None: no bound but `max_loras`), each of rank at most `max_rank`.
 
     `attach` (on the engine's thread, once the model is loaded) makes the model's linears adaptable and loads the
     start-up adapters; `load` and `unload` may then run on any thread, while the engine runs passes. `root`
-    (LORA_ADAPTER_ROOT): where `load` may read from; None: anywhere, with each problem named (the library's use)."""
+    (LORA_ADAPTER_ROOT): where `load` may read from; None: anywhere, with each problem named (the library's use).
+    An `owner` of None is no tenant's: the start-up adapters, and the library's loads; every owner sees those."""
 
     def __init__(self, base_id: str, modules: dict[str, str] | None = None, max_loras: int = 4, max_rank: int = 16,
-                 runtime_loading: bool = False, root: str | Path | None = None):
+                 runtime_loading: bool = False, root: str | Path | None = None, max_per_owner: int | None = None):
         self.base_id, self.startup = base_id, dict(modules or {})
         self.max_loras, self.max_rank, self.runtime_loading = max_loras, max_rank, runtime_loading
+        self.max_per_owner = max_per_owner
         self.root = Path(root).resolve() if root is not None else None
-        self._by_name: dict[str, LoraAdapter] = {}
+        self._by_name: dict[tuple[str | None, str], LoraAdapter] = {}  # (owner, name) -> adapter
         self._lock = threading.Lock()  # registration only: a load reads its files outside it
         self._targets: dict[str, tuple[int, int]] = {}
         self._dtype, self._device = torch.float32, torch.device("cpu")
@@ -214,45 +220,61 @@ class LoraAdapters:
             old = self._check_room(name, owner, replace)
             if old is not None:  # its counts go on under the same name; requests running with it keep it
                 adapter.requests, adapter.generated_tokens = old.requests, old.generated_tokens
-            self._by_name[name] = adapter
+            self._by_name[(owner, name)] = adapter
         return adapter
+
+    def _find(self, name: str, owner: str | None) -> LoraAdapter | None:
+        """What `name` means to `owner`: its own adapter of that name, else one of no tenant's (call with the lock
+        held). Another tenant's adapter is never found: to this owner that name is not loaded."""
+        own = self._by_name.get((owner, name)) if owner is not None else None
+        return own if own is not None else self._by_name.get((None, name))
 
     def _check_room(self, name: str, owner: str | None, replace: bool) -> LoraAdapter | None:
         """The adapter `name` would replace, if any; raises if it may not be loaded."""
-        old = self._by_name.get(name)
+        old = self._find(name, owner)
         if old is not None and not replace:
             raise InvalidRequest(f"an adapter named {name!r} is already loaded; unload it first, or send "
                                  "`load_inplace: true` to replace it", param="lora_name")
         if old is not None:
             self._check_owner(old, owner, "replace")
-        elif len(self._by_name) >= self.max_loras:
+            return old
+        held = sum(1 for who, _ in self._by_name if who == owner)  # this owner's; no tenant's are not bounded
+        if owner is not None and self.max_per_owner is not None and held >= self.max_per_owner:
+            raise InvalidRequest(f"this API key holds {held} adapters, MAX_LORAS_PER_KEY={self.max_per_owner}; "
+                                 "unload one of them first", param="lora_name")
+        if len(self._by_name) >= self.max_loras:
             raise InvalidRequest(f"{len(self._by_name)} adapters are loaded, MAX_LORAS={self.max_loras}; unload one "
                                  "first", param="lora_name")
-        return old
+        return None
 
     @staticmethod
     def _check_owner(adapter: LoraAdapter, owner: str | None, verb: str) -> None:
-        if adapter.owner == owner:
-            return
-        if adapter.owner is None:
+        # `_find` gives an owner only its own adapters and no tenant's: any other is a start-up one
+        if adapter.owner != owner:
             raise AdapterNotYours(f"adapter {adapter.name!r} was loaded at start (LORA_MODULES): no API key may "
                                   f"{verb} it")
-        raise AdapterNotYours(f"adapter {adapter.name!r} was loaded under another API key: only that key may "
-                              f"{verb} it")
 
     def unload(self, name: str, owner: str | None = None) -> None:
-        """Forget `name` (if `owner` may); requests already running with it keep its weights until they end."""
+        """Forget `owner`'s `name` (a start-up one may not be); requests already running with it keep its weights
+        until they end."""
         with self._lock:
-            adapter = self._by_name.get(name)
+            adapter = self._find(name, owner)
             if adapter is None:
                 raise ModelNotFound(f"no adapter named {name!r} is loaded", param="lora_name")
             self._check_owner(adapter, owner, "unload")
-            del self._by_name[name]
+            del self._by_name[(adapter.owner, name)]
 
-    def get(self, name: str) -> LoraAdapter | None:
+    def get(self, name: str, owner: str | None = None) -> LoraAdapter | None:
+        """The adapter a request of `owner` (a tenant id; None: no tenant's) selects by `name`, if any."""
         with self._lock:
-            return self._by_name.get(name)
+            return self._find(name, owner)
+
+    def visible(self, owner: str | None = None) -> list[LoraAdapter]:
+        """The adapters `owner` may select: no tenant's and its own, in the order they were loaded."""
+        with self._lock:
+            return [a for (who, _), a in self._by_name.items() if who is None or who == owner]
 
     def loaded(self) -> list[LoraAdapter]:
+        """Every tenant's (what /metrics counts)."""
         with self._lock:
             return list(self._by_name.values())

@@ -11,20 +11,39 @@ copy of any weight. The engine puts each adapter's rows side by side in the pass
 adapter's rows are one slice, read and written in place; rows spread apart are gathered and scattered instead. Rows without an adapter get nothing added, so they are exactly the base model's.
 The order of the product is peft's own unmerged forward's; a merged model rounds differently, within ~1e-6 in fp32.
 
+BATCH_INVARIANT (`adapter_rows(..., invariant=True)`): those two matmuls are called on all of an adapter's rows in
+the pass, so a row's product would depend on how many rows the adapter has there (in fp32 on a Zen 4 EPYC, MKL
+summed `x @ A.T` otherwise from 2 rows on, at every adapter shape tried, 64 x 4 to 4864 x 16). Under it each
+product is called as a base linear of its shape would be: the load-time check of app/models/row_check.py, run on
+the first pass that meets an adapter weight of that shape and dtype (28 ms for the default model's five at rank 16,
+2 threads of that EPYC), picks whole calls no wider than it tried, fixed tiles, or one call per row; then the
+product is scaled and added, `out + (x @ A.T @ B.T) * scale`, as peft writes it, each step elementwise, so a row's
+sum is its own whatever shares the pass.
+
 Outside `adapter_rows` (the oracle loop, warm-up, a compiled step's trace) a wrapped layer is its base layer.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from app.models.invariance import tiles_only
+from app.models.row_check import SPLIT_NAMES, SPLITS, choose_split, rows_to_check, split_rows
+
+log = logging.getLogger("app.models.lora_layers")
 
 # this pass's adapters: (the adapter, its token rows in the flattened pass: one slice, or an index tensor)
 _ROWS: ContextVar[list[tuple[Any, slice | torch.Tensor]] | None] = ContextVar("adapter_rows", default=None)
+_INVARIANT: ContextVar[bool] = ContextVar("adapter_rows_invariant", default=False)  # BATCH_INVARIANT this pass
+# BATCH_INVARIANT: (split, widest whole call) per adapter weight's (out, in, dtype, device), checked at first use
+_PLANS: dict[tuple[int, int, torch.dtype, torch.device], tuple[str, int]] = {}
 
 
 class LoraLinear(nn.Module):
@@ -43,12 +62,19 @@ class LoraLinear(nn.Module):
         if rows is None:
             return out
         flat_x, flat_out = x.reshape(-1, self.in_features), out.reshape(-1, self.out_features)
+        invariant = _INVARIANT.get()
         for adapter, rows_of in rows:
             pair = adapter.weights.get(self.name)
             if pair is None:  # this adapter leaves this layer alone
                 continue
             a, b = pair  # [r, in], [out, r]
-            if isinstance(rows_of, slice):  # one run of rows (the engine puts an adapter's rows side by side)
+            if invariant:  # each product in checked calls, then scaled and added elementwise
+                delta = invariant_product(invariant_product(flat_x[rows_of], a), b) * adapter.scale
+                if isinstance(rows_of, slice):
+                    flat_out[rows_of].add_(delta)
+                else:
+                    flat_out.index_add_(0, rows_of, delta)
+            elif isinstance(rows_of, slice):  # one run of rows (the engine puts an adapter's rows side by side)
                 flat_out[rows_of].addmm_(flat_x[rows_of] @ a.T, b.T, alpha=adapter.scale)  # a view: in place
             else:
                 flat_out.index_add_(0, rows_of, (flat_x[rows_of] @ a.T) @ b.T, alpha=adapter.scale)
@@ -56,6 +82,23 @@ class LoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def invariant_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight.T, weight [out, in] (an adapter's A or B): each row computed the same way at any row
+    count, the calls split as the check of this shape chose (app/models/row_check.py), as for a base linear."""
+    out_features, in_features = weight.shape
+    key = (out_features, in_features, weight.dtype, weight.device)
+    if key not in _PLANS:
+        splits = SPLITS[1:] if tiles_only(weight.dtype, weight.device) else SPLITS  # as invariance.py's linears
+        split, failed = choose_split(lambda rows: F.linear(rows, weight), in_features, out_features, weight.dtype,
+                                     splits=splits, device=weight.device)
+        _PLANS[key] = split, max(rows_to_check(in_features, out_features))
+        log.info("batch invariance: LoRA products of %d x %d (%s) run %s%s", out_features, in_features,
+                 str(weight.dtype).removeprefix("torch."), SPLIT_NAMES[split],
+                 f" (whole calls computed a row differently from {failed} rows)" if failed is not None else "")
+    split, widest = _PLANS[key]
+    return split_rows(lambda rows: F.linear(rows, weight), x, split, widest)
 
 
 def wrap_linears(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -89,9 +132,11 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 @contextmanager
-def adapter_rows(adapters: Sequence[Any], spans: Sequence[tuple[int, int]], device: torch.device) -> Iterator[None]:
+def adapter_rows(adapters: Sequence[Any], spans: Sequence[tuple[int, int]], device: torch.device,
+                 invariant: bool = False) -> Iterator[None]:
     """Within: the wrapped linears add each span's adapter (None: the base model, nothing added). `spans`: each
-    request's [start, end) in the flattened pass, in the order of `adapters`."""
+    request's [start, end) in the flattened pass, in the order of `adapters`. `invariant`: BATCH_INVARIANT's
+    products (`invariant_product`)."""
     groups: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
     for adapter, span in zip(adapters, spans):
         if adapter is not None:
@@ -106,8 +151,9 @@ def adapter_rows(adapters: Sequence[Any], spans: Sequence[tuple[int, int]], devi
             rows.append((adapter, slice(*runs[0])))
         else:
             rows.append((adapter, torch.cat([torch.arange(start, end) for start, end in runs]).to(device)))
-    token = _ROWS.set(rows)
+    token, invariant_token = _ROWS.set(rows), _INVARIANT.set(invariant)
     try:
         yield
     finally:
+        _INVARIANT.reset(invariant_token)
         _ROWS.reset(token)

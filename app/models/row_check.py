@@ -6,7 +6,10 @@ by the row count M; fbgemm's dynamic int8 quantizes the whole call's input with 
 property of the kernel, the shape, the CPU and the thread count, so it is checked at load, on this machine, on one
 layer of each shape (`first_variant_rows`), rather than assumed. A kernel that fails is called another way
 (`split_rows`), from fast to slow:
-- "whole": one call for all the rows, as the kernel is;
+- "whole": one call for all the rows, as the kernel is, up to the widest call its check tried (`rows_to_check`:
+  129 rows, fewer for a large lm_head); a call of more rows, which the engine can always send (prompt-logprob
+  chunks, verify rows, many streams), goes in calls of that many and one of the rest, so the kernel never sees a
+  row count wider than it was checked at;
 - "tiles": calls of exactly TILE_ROWS rows, the last padded with zeros, so the kernel always sees the same M (it
   must still compute a row the same way at each position of its tile: checked too);
 - "rows": one call per row, M = 1 always: invariant by construction, but the weight is read once per row.
@@ -19,14 +22,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-# Row counts a check calls with: one row (a lone decode step), small batches and their odd tails, a full decode
-# batch, a prefill chunk (128 on a CPU) and past it.
-CHECK_ROWS = (1, 2, 3, 8, 17, 64, 129)
+# Row counts a check calls with: every count from one row (a lone decode step) to a full decode batch (MAX_ACTIVE's
+# default), then a sample past it: an odd count, a prefill chunk (128 on a CPU) and past it.
+CHECK_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 129)
 # A check runs sum(rows) x out x in multiply-adds: 224 rows of the default model's lm_head (151,936 x 896) alone took
-# ~1 s of fp32 here. A shape checks the leading row counts that fit in this budget (the lm_head: 1 to 8 rows, 88
-# rows' worth with the 7 alone calls of a tile's positions; every other shape of the default model: all of them),
-# and at least 1, 2 and 3.
-CHECK_MACS = 12 * 10**9
+# ~1 s of fp32 here. A shape checks the leading row counts that fit in this budget, and at least 1, 2 and 3: the
+# default model's lm_head 1 to 8 rows (120 rows' worth with the 7 alone calls of a tile's positions: 0.34 s on its
+# packed fp32 copy, 2 threads of a Zen 4 EPYC, against 0.25 s for 1, 2, 3 and 8 rows), a 7B's (152,064 x 3584) 1 to
+# 3; every other shape of the default model all of them. A call wider than a shape's widest goes in calls of that
+# many ("whole" in `split_rows`), so every call of a large lm_head has a row count its check tried.
+CHECK_MACS = 17 * 10**9
 # "tiles": 8 rows, a full decode batch (MAX_ACTIVE's default) in one call. MKL's fp32 sgemm at M = 8 computed each
 # position of the tile as the same row alone here (AVX2, shapes 896 x 896 to 896 x 4864).
 TILE_ROWS = 8
@@ -38,10 +43,13 @@ SPLIT_NAMES = {"whole": "whole calls", "tiles": f"in tiles of {TILE_ROWS} rows (
 RowCall = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, out]
 
 
-def split_rows(call: RowCall, x: torch.Tensor, split: str) -> torch.Tensor:
-    """`call` on the rows of x ([rows, in]), split as `split` says: [rows, out]."""
+def split_rows(call: RowCall, x: torch.Tensor, split: str, widest: int | None = None) -> torch.Tensor:
+    """`call` on the rows of x ([rows, in]), split as `split` says: [rows, out]. `widest` ("whole"): the most rows
+    one call may take, the widest its check tried; more go in calls of that many, then one of the rest."""
     if split == "whole":
-        return call(x)
+        if widest is None or x.shape[0] <= widest:
+            return call(x)
+        return torch.cat([call(x[i : i + widest]) for i in range(0, x.shape[0], widest)])
     if split == "rows":
         return torch.cat([call(x[i : i + 1]) for i in range(x.shape[0])])
     rows, pad = x.shape[0], -x.shape[0] % TILE_ROWS
@@ -57,8 +65,9 @@ def _calls(rows: tuple[int, ...]) -> list[int]:
 
 
 def rows_to_check(in_features: int, out_features: int) -> tuple[int, ...]:
-    """The leading CHECK_ROWS whose check fits in CHECK_MACS for this shape (at least 1, 2 and 3 rows). A call of
-    a few rows costs what reading the weight does, about TILE_ROWS rows' worth of multiply-adds here."""
+    """The leading CHECK_ROWS whose check fits in CHECK_MACS for this shape (at least 1, 2 and 3 rows); the last is
+    the widest call "whole" makes of this shape. A call of a few rows costs what reading the weight does, about
+    TILE_ROWS rows' worth of multiply-adds here."""
     kept: tuple[int, ...] = ()
     for rows in CHECK_ROWS:
         cost = sum(max(count, TILE_ROWS) for count in _calls(kept + (rows,))) * in_features * out_features
@@ -106,16 +115,18 @@ def choose_split(call: RowCall, in_features: int, out_features: int, dtype: torc
 
 class RowSplitLinear(nn.Module):
     """A linear layer (any module of `in_features` -> `out_features`) called on its rows as `split` says, at every
-    call: what BATCH_INVARIANT does with a kernel whose whole calls failed the check."""
+    call: what BATCH_INVARIANT does with every kernel, in whole calls no wider than its check's widest where it
+    passed, in tiles or per row where it failed."""
 
     def __init__(self, layer: nn.Module, split: str):
         super().__init__()
         self.layer, self.split = layer, split
         self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.widest = max(rows_to_check(self.in_features, self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        out = split_rows(self.layer, x.reshape(-1, self.in_features), self.split)
+        out = split_rows(self.layer, x.reshape(-1, self.in_features), self.split, self.widest)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"split={self.split}"
+        return f"split={self.split}" + (f", widest={self.widest}" if self.split == "whole" else "")

@@ -2,9 +2,9 @@
 vLLM's bodies (`lora_name`, `lora_path`, `load_inplace`), and the adapters' entries in `/v1/models`, each with its
 base as `parent` and no path. The routes exist only with LORA_RUNTIME_LOADING=true, which needs API_KEY and
 LORA_ADAPTER_ROOT (app/config.py): a `lora_path` is read on the server, from under that root only (404 otherwise,
-as for a route that is not there). The tenant (the API key) that loads an adapter owns it: only it may replace or
-unload it (app/models/lora.py). A request then selects an adapter by naming it in `model`
-(app/openai/serving.py's `check_model`)."""
+as for a route that is not there). The tenant (the API key) that loads an adapter owns it, and the name is that
+key's alone: only it may select, list, replace or unload it, within MAX_LORAS_PER_KEY (app/models/lora.py). A
+request then selects an adapter by naming it in `model` (app/openai/serving.py's `check_model`)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ async def load_adapter(adapters: LoraAdapters, body: LoadLoraAdapterRequest, ten
 
 
 def unload_adapter(adapters: LoraAdapters, body: UnloadLoraAdapterRequest, tenant: str) -> dict[str, Any]:
-    adapters.unload(body.lora_name, tenant)  # 404 if it is not loaded, 403 if not this key's; running requests finish
+    adapters.unload(body.lora_name, tenant)  # 404 unless this key's or a start-up one (403); running requests finish
     return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}
 
 
-def adapter_models(adapters: LoraAdapters | None, base_id: str) -> list[dict[str, Any]]:
-    """The adapters' `/v1/models` entries, as vLLM lists them but without `root`: where an adapter lies on the
-    server is no client's business."""
+def adapter_models(adapters: LoraAdapters | None, base_id: str, tenant: str | None = None) -> list[dict[str, Any]]:
+    """The `/v1/models` entries of the adapters `tenant` may select (the start-up ones and its own), as vLLM lists
+    them but without `root`: where an adapter lies on the server is no client's business."""
     if adapters is None:
         return []
     return [{"id": a.name, "object": "model", "created": 0, "owned_by": "simple-serve", "parent": base_id}
-            for a in adapters.loaded()]
+            for a in adapters.visible(tenant)]

@@ -81,7 +81,7 @@ class WireApi:
 async def create(api: WireApi, body, request: Request) -> Response:
     """The one create flow (see the module docstring)."""
     serving = api.serving
-    serving.check_model(body.model)
+    serving.check_model(body.model, getattr(request.state, "tenant", None))
     try:
         prepared = await api.prepare(body)
         grammar = await serving.grammar(prepared.request, request)  # response_format, a forced tool call

@@ -123,7 +123,7 @@ class _SamplingFields(BaseModel):
     json_schema: dict[str, Any] | None = None
     # vLLM's: each prompt token's logprob and this many alternatives, from the prefill itself (docs/api.md)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # vLLM's: waiting requests run lower values first; batch lines run at BATCH_PRIORITY (docs/batch.md)
+    # vLLM's: waiting requests run lower values first; below 0 needs PRIORITY_KEYS (docs/batch.md)
     priority: int = Field(0, ge=-2**31, le=2**31 - 1)
 
     @field_validator("stop")

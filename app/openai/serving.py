@@ -20,7 +20,7 @@ from fastapi import Request
 
 from app.core.engine.engine import Engine
 from app.deadlines import HEADER, request_deadlines
-from app.errors import InvalidRequest, ModelNotFound, ServeError
+from app.errors import InvalidRequest, ModelNotFound, PriorityNotGranted, ServeError
 from app.core.sequence import TokenEvent
 from app.models.loading import LoadedModel
 from app.models.lora import LoraAdapter, LoraAdapters
@@ -49,7 +49,7 @@ class CompletionServing:
                  preparing: Preparing | None = None, grammar_client_header: str | None = None,
                  queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
                  adapters: LoraAdapters | None = None, max_prompt_logprob_entries: int = 1_000_000,
-                 reasoning_parser: str = "auto"):
+                 reasoning_parser: str = "auto", priority_granted: Callable[[str | None], bool] = lambda t: False):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
@@ -66,6 +66,7 @@ class CompletionServing:
         self.grammar_client_header = grammar_client_header  # see compile_client
         self.adapters = adapters  # LoRA adapters a request's `model` may name; None: the base model alone
         self.max_prompt_logprob_entries = max_prompt_logprob_entries  # app/openai/scoring.py
+        self.priority_granted = priority_granted  # whether a tenant may ask for a priority below 0 (PRIORITY_KEYS)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         return await create(ChatApi(self), body, request)
@@ -104,13 +105,14 @@ class CompletionServing:
         worker, off the loop, but never refused as new requests are (MAX_PREPARING): its generation has run."""
         return await asyncio.get_running_loop().run_in_executor(self.preparing.executor, functools.partial(fn, *args))
 
-    def check_model(self, model: str) -> LoraAdapter | None:
-        """The LoRA adapter `model` names, None for the base model; 404 naming it for anything else."""
+    def check_model(self, model: str, tenant: str | None = None) -> LoraAdapter | None:
+        """The LoRA adapter `model` names, None for the base model; 404 naming it for anything else. `tenant` (the
+        request's API key, request.state.tenant): a runtime adapter is found only by the key that loaded it."""
         if model == self.model_id:
             return None
-        adapter = self.adapters.get(model) if self.adapters is not None else None
+        adapter = self.adapters.get(model, tenant) if self.adapters is not None else None
         if adapter is None:
-            names = [a.name for a in self.adapters.loaded()] if self.adapters is not None else []
+            names = [a.name for a in self.adapters.visible(tenant)] if self.adapters is not None else []
             also = f" and the LoRA adapters {names}" if names else ""
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.model_id!r}{also}")
         return adapter
@@ -132,7 +134,8 @@ class CompletionServing:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Every generating API comes through here (app/openai/flow.py)."""
         reasoning = self.reasoning if chat else None
-        adapter = self.check_model(body.model)  # again: it may have been unloaded while the prompt was prepared
+        # again: it may have been unloaded while the prompt was prepared
+        adapter = self.check_model(body.model, getattr(request.state, "tenant", None))
         room = self.lm.max_context - len(prompt_ids)  # < 1: leave it unset, so the context error names the prompt
         default_max = min(self.default_max_tokens or room, room) if room >= 1 else None
         tenant = getattr(request.state, "cache_tenant", None)  # the API-key check's (app/api.py): salts the cache
@@ -144,11 +147,15 @@ class CompletionServing:
         # the prompt is scored once, by the first choice; the others reuse its scores (app/openai/completions_wire.py)
         params[1:] = [dataclasses.replace(p, prompt_logprobs=None) for p in params[1:]]
         thinking = body.thinking(reasoning) if reasoning is not None else None
-        deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
-                                      self.queue_timeout_s, self.request_timeout_s)
+        background = getattr(request.state, "background", False)  # a batch line (app/entry.py)
+        check_priority(params[0].priority, getattr(request.state, "tenant", None), self.priority_granted)
+        # a batch line waits for capacity by design: its queue time is no timeout (its batch has a window)
+        deadlines = (None, None) if background else request_deadlines(
+            request.headers.get(HEADER), getattr(request.state, "arrived", None), self.queue_timeout_s,
+            self.request_timeout_s)
         request.state.sampling = params[0]  # for the trace's attributes
         choices = self._submit(prompt_ids, params, thinking, deadlines, getattr(request.state, "x_request_id", None),
-                               adapter)
+                               adapter, background)
         request.state.choices = choices  # for the log line and the trace, once the answer is out
         if chat and body.parse_tools:
             for choice in choices:
@@ -174,7 +181,8 @@ class CompletionServing:
 
     def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
                 deadlines: tuple[float | None, float | None] = (None, None),
-                request_id: str | None = None, adapter: LoraAdapter | None = None) -> list[Choice]:
+                request_id: str | None = None, adapter: LoraAdapter | None = None,
+                background: bool = False) -> list[Choice]:
         choices: list[Choice] = []
         queue_deadline, deadline = deadlines
         try:
@@ -182,7 +190,7 @@ class CompletionServing:
                 splitter = self.reasoning.splitter(thinking) if thinking is not None else None
                 handle_id = f"{request_id}/{i}" if request_id and len(params) > 1 else request_id  # engine's log
                 choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline,
-                                                                adapter),
+                                                                adapter, background=background),
                                       splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running
@@ -238,3 +246,11 @@ class CompletionServing:
             delta = self._add(choice, event)
             if not delta.empty:
                 yield choice, delta
+
+
+def check_priority(priority: int, tenant: str | None, granted: Callable[[str | None], bool]) -> None:
+    """A client may lower its own priority (above 0 runs later); going ahead of the default (below 0) needs the
+    operator's grant: else any client could jump every other tenant's queue."""
+    if priority < 0 and not granted(tenant):
+        raise PriorityNotGranted("`priority` below 0 runs ahead of other clients and needs the operator's grant: "
+                                 "this key is not in PRIORITY_KEYS; send 0 or more", param="priority")

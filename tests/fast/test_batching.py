@@ -171,7 +171,7 @@ def test_index_tensors_are_built_once_per_step_not_per_layer(tiny_lm, monkeypatc
 
 def test_waiting_requests_run_in_priority_order_lower_first(tiny_lm):
     """vLLM's `priority`: with one slot busy, the waiting requests start lowest priority first, arrival order among
-    equals (batch lines wait at BATCH_PRIORITY behind interactive requests at 0)."""
+    equals; batch lines (the background class) wait behind every interactive request, whatever their priority."""
     import asyncio
 
     from app.core.engine.engine import Engine
@@ -186,13 +186,14 @@ def test_waiting_requests_run_in_priority_order_lower_first(tiny_lm):
             order: list[str] = []
 
             async def run_one(name: str, priority: int) -> None:
-                handle = engine.submit([4, 5], SamplingParams(max_tokens=1, do_sample=False, priority=priority), name)
+                handle = engine.submit([4, 5], SamplingParams(max_tokens=1, do_sample=False, priority=priority), name,
+                                       background=name.startswith("batch"))
                 async for _ in handle:
                     pass
                 order.append(name)
 
             tasks = [asyncio.ensure_future(run_one(n, p)) for n, p in
-                     (("batch-1", 100), ("chat-1", 0), ("batch-2", 100), ("chat-2", 0), ("urgent", -5))]
+                     (("batch-1", 0), ("chat-1", 0), ("batch-2", -10), ("chat-2", 0), ("urgent", -5))]
             async for _ in busy:
                 pass
             await asyncio.gather(*tasks)
@@ -200,4 +201,4 @@ def test_waiting_requests_run_in_priority_order_lower_first(tiny_lm):
         finally:
             engine.stop()
 
-    assert asyncio.run(run()) == ["urgent", "chat-1", "chat-2", "batch-1", "batch-2"]
+    assert asyncio.run(run()) == ["urgent", "chat-1", "chat-2", "batch-2", "batch-1"]

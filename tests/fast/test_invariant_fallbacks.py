@@ -137,8 +137,10 @@ def test_bf16_prepacking_takes_the_fastest_way_of_calling_whose_kernel_is_invari
 
 
 def test_a_large_lm_head_is_checked_at_fewer_row_counts_to_keep_the_load_short():
+    """Fewer, but every count up to its widest: a wider call goes in calls of that many (test_invariance_holes.py)."""
     assert row_check.rows_to_check(896, 4864) == ROWS  # every body shape of the default model: all of them
-    assert row_check.rows_to_check(896, 151_936) == (1, 2, 3, 8)  # its lm_head: reading it is the cost
+    assert row_check.rows_to_check(896, 151_936) == (1, 2, 3, 4, 5, 6, 7, 8)  # its lm_head: reading it is the cost
+    assert row_check.rows_to_check(3584, 152_064) == (1, 2, 3)  # a 7B's: the least there is
 
 
 def test_use_batch_rows_plans_each_shape_once(monkeypatch):

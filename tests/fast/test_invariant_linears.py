@@ -22,7 +22,7 @@ from app.models.loading import load_model
 from app.models.quant import DynamicInt8Linear
 from app.models.row_check import RowSplitLinear, first_variant_rows
 
-ROWS = (1, 2, 3, 8, 17, 64, 129)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 129)
 
 
 def linears(model) -> dict[str, nn.Module]:
@@ -56,7 +56,7 @@ def rows_differ_from_alone(layer: nn.Module, in_features: int, dtype=torch.float
                          ids=["fp32", "fp32-no-copies", "int8-dynamic", "int4"])
 def test_every_linear_computes_a_row_the_same_way_at_any_row_count(tiny_dir, settings):
     lm = load_model(str(tiny_dir), device="cpu", batch_invariant="on", **settings)
-    assert lm.batch_invariant and "each computes a row the same way in a call of 1-129 rows" in lm.invariance
+    assert lm.batch_invariant and "each computes a row the same way in a call of 1-8, 17, 64 and 129 rows" in lm.invariance
     assert "lm_head" in linears(lm.model) and len(linears(lm.model)) == 15
     for name, layer in first_layer_and_head(lm.model).items():
         assert rows_differ_from_alone(layer, layer.in_features, lm.dtype) == [], name  # int4: bf16 where native

@@ -25,7 +25,8 @@ from app.models.loading import load_model
 from app.openai.embeddings import serving
 
 from conftest import ThreadServer
-from embedding_models import build_tiny_bert_dir, build_tiny_xlm_roberta_dir, decoder_embedder_dir
+from embedding_models import (build_tiny_bert_dir, build_tiny_cross_encoder_dir, build_tiny_xlm_roberta_dir,
+                              decoder_embedder_dir)
 
 WORDS_600 = " ".join(["paris"] * 600)
 SHORT = ["Paris is the capital of France.", "hello", "the city on the seine"]
@@ -110,6 +111,27 @@ def test_a_roberta_family_model_takes_two_fewer_tokens_than_its_position_table(t
         (tmp_path / "encoder" / "tokenizer_config.json").read_text().replace(
             '"model_max_length": 1000000000000000019884624838656', '"model_max_length": 16'))
     assert load_model(str(tmp_path / "encoder"), device="cpu").max_context == 16
+
+
+@pytest.mark.full
+def test_a_model_of_64_positions_starts_through_the_servers_own_loading_and_answers(tmp_path):
+    """Issue 58, item 10: a pooling model whose limit is under 128 tokens (a 64-position reranker) must start as a
+    new user starts it (MODEL=dir, the server loading it), not fail at load on a wider row than it holds."""
+    reranker = build_tiny_cross_encoder_dir(tmp_path / "reranker", positions=64)
+    embedder = build_tiny_bert_dir(tmp_path / "embedder", positions=64, sentence_transformers=False)
+    for path, route, body in ((reranker, "/v1/rerank", {"query": "paris", "documents": SHORT}),
+                              (embedder, "/v1/embeddings", {"input": SHORT})):
+        with ThreadServer(create_app(Settings(model=str(path)))) as server:
+            assert httpx.get(f"{server.url}/ready").status_code == 200
+            assert server.state.lm.max_context == 64
+            answer = post(server, route, **body)
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["results" if route == "/v1/rerank" else "data"]) == len(SHORT)
+            too_long = {**body, "documents": [WORDS_600]} if route == "/v1/rerank" else {"input": WORDS_600}
+            assert post(server, route, **too_long).status_code == 400  # past its 64: refused, never run
+            cut = post(server, route, **too_long, truncate_prompt_tokens=-1)
+            assert cut.status_code == 200 and cut.json()["usage"]["total_tokens"] == 64
+            assert post(server, route, **body).status_code == 200
 
 
 @pytest.mark.full

@@ -49,6 +49,7 @@ class EmbeddingJob:
     deadline: float | None = None
     vectors: list[Any] = field(default_factory=list)  # filled in row order
     next_row: int = 0  # rows before this one are taken by a pass
+    background: bool = False  # a batch line: queued behind every interactive request not yet started
     failed: bool = False  # one of its rows failed alone (set by the worker): its other rows are not run
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -111,21 +112,26 @@ class EmbeddingEngine:
         for job in jobs:
             self._settle(job, err)
 
-    async def embed(self, rows: list[list[int]], deadlines: tuple[float | None, float | None] = (None, None)
-                    ) -> list[torch.Tensor]:
+    async def embed(self, rows: list[list[int]], deadlines: tuple[float | None, float | None] = (None, None),
+                    background: bool = False) -> list[torch.Tensor]:
         """One vector (float32, on the CPU) per row, in order. `deadlines`: (queue deadline, whole deadline), as
-        app/deadlines.py's request_deadlines gives them."""
+        app/deadlines.py's request_deadlines gives them. `background`: a batch line, the chat engine's class of the
+        same name: it waits behind interactive requests and counts against its own `max_requests`."""
         if self.draining:
             raise ShuttingDown()
         loop = asyncio.get_running_loop()
-        job = EmbeddingJob(rows, loop, loop.create_future(), *deadlines)
+        job = EmbeddingJob(rows, loop, loop.create_future(), *deadlines, background=background)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead("the embedding engine has stopped")
-            if len(self._queue) >= self.max_requests:
+            if sum(j.background == background for j in self._queue) >= self.max_requests:
                 raise Overloaded(f"server is at capacity ({self.max_requests} embedding requests queued); "
                                  "retry shortly")
-            self._queue.append(job)
+            # an interactive request goes ahead of the background ones not yet started (a started one keeps its place:
+            # its rows are split across passes in order)
+            at = len(self._queue) if background else next(
+                (i for i, j in enumerate(self._queue) if j.background and j.next_row == 0), len(self._queue))
+            self._queue.insert(at, job)
             self._show_queue()
             self._wake.notify()
         return await job.future

@@ -8,9 +8,16 @@ This file is the requests' bookkeeping: the queue, admission, the KV budget, and
 step runs, in which forward passes, and which tokens those yield is app/core/engine/step.py's `StepRunner`: every step,
 the worker hands it the admitted requests, and it calls back here as each one starts, yields a token or fails.
 
-Backpressure: at most `max_active` sequences decode at once and at most `max_queue` wait; past that, `submit`
-raises `Overloaded` at once. A request is admitted only when its worst-case KV cache (prompt + max_tokens) fits
-the KV budget (app/core/engine/kv_budget.py); until then it waits, so memory never grows without bound.
+Backpressure: at most `max_active` sequences decode at once and at most `max_queue` interactive requests wait;
+past that, `submit` raises `Overloaded` at once.
+
+Priority classes: interactive (API clients) or background (batch lines; BATCH_CONCURRENCY bounds them). The queue
+is ordered by class, `priority`, arrival, so batch lines run in the slots users leave free; and up to `batch_slots`
+of them may hold a slot even while users queue (`next_to_admit`): steady traffic slows a batch, never stops it.
+Each class counts against `max_queue` alone, so batch lines never turn a user's request into a 429.
+
+A request is admitted only when its worst-case KV cache (prompt + max_tokens) fits the KV budget
+(app/core/engine/kv_budget.py); until then it waits, so memory never grows without bound.
 
 Deadlines (each request's own, set by the caller at submit): checked at the start of every step, so a request
 ends at most one step late. A request still queued past its queue deadline (or its whole deadline) ends with
@@ -39,7 +46,7 @@ from app.errors import ConfigError, Overloaded, QueueTimeout, ServeError, Shutti
 from app.core.runner.packed import enable_packed_batching
 from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
-                                    without_frames)
+                                    next_to_admit, without_frames)
 from app.core.engine.heap import release_free_heap
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
@@ -68,7 +75,8 @@ class Engine:
     def __init__(self, model: LoadedModel | Callable[[], LoadedModel], max_active: int = 8, max_queue: int = 64,
                  metrics: Metrics | None = None, prefill_tokens_per_step: int | None = None,
                  kv_cache_bytes: int | None = None, packed_batching: bool = True, prefix_cache_bytes: int = 0,
-                 speculative: str = "off", decode_step: str = "eager", adapters: LoraAdapters | None = None):
+                 speculative: str = "off", decode_step: str = "eager", adapters: LoraAdapters | None = None,
+                 batch_slots: int = 1):
         self._load = model if callable(model) else (lambda: model)
         self.lm: LoadedModel | None = None
         self.loaded = threading.Event()  # set once the model is loaded, or failed to load
@@ -86,6 +94,8 @@ class Engine:
         self.adapters = adapters  # LoRA: the model's linears made adaptable at load, the start-up adapters loaded
         self._abort: ServeError | None = None
         self.max_active, self.max_queue = max_active, max_queue
+        # the background class's share (module docstring); interactive requests always keep at least one slot
+        self.batch_slots = max(0, min(batch_slots, max_active - 1))
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.metrics = metrics or Metrics()
         self.draining = False
@@ -132,22 +142,25 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                queue_deadline: float | None = None, deadline: float | None = None,
-               adapter: LoraAdapter | None = None, traffic: bool = True) -> RequestHandle:
+               adapter: LoraAdapter | None = None, traffic: bool = True, background: bool = False) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent.
         The deadlines are `time.perf_counter()` times (see the module docstring). `adapter`: the LoRA adapter this
         request runs with (the handle holds it to the end); None: the base model. `traffic=False`: the server's
-        own generation (a probe), kept out of the request metrics (the gauges still see it: it holds a slot)."""
+        own generation (a probe), kept out of the request metrics (the gauges still see it: it holds a slot).
+        `background`: the batch class (see the module docstring)."""
         if self.draining:
             raise ShuttingDown()
         max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
         kv_bytes = self.kv_budget.request_bytes(self.kv_layout, len(prompt_ids), max_new)  # 400 if it never fits
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
                                asyncio.get_running_loop(), kv_bytes=kv_bytes, queue_deadline=queue_deadline,
-                               deadline=deadline, adapter=adapter, metrics=self.metrics if traffic else UNSCRAPED)
+                               deadline=deadline, adapter=adapter, metrics=self.metrics if traffic else UNSCRAPED,
+                               background=background)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead(f"the engine has stopped: {self.died!r}" if self.died else "the engine has stopped")
-            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+            held = sum(h.background == background for h in [*self._waiting, *(h for h, _ in self._active)])
+            if held >= self.max_active + self.max_queue:  # each class against its own: batch lines never 429 a user
                 raise Overloaded(f"server is at capacity ({self.max_active} active, {self.max_queue} queued); "
                                  "retry shortly")
             enqueue_by_priority(self._waiting, handle)
@@ -166,7 +179,8 @@ class Engine:
                 self.adapters.attach(self.lm.model)
             self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
             if self.lm.batch_invariant and not self.batch_decode:  # its chunks' attention depends on the budget
-                log.warning("BATCH_INVARIANT is on, but this model runs one request per pass on its own attention")
+                self.lm.invariance_cannot_hold("this model runs one request per pass on its own attention, whose "
+                                               "prompt chunks depend on what else prefills")  # on: ConfigError
             self._set_up_kv_budget()
             self._set_up_shortcuts()
             self._export_kv_cache_gauges()
@@ -283,12 +297,14 @@ class Engine:
             self._update_kv_in_use()
 
     def _admit(self) -> None:
-        """First come, first served: admit from the queue while a slot is free and the next request's worst-case
-        KV cache fits the budget; otherwise it waits for running requests to end. Called with the lock held."""
+        """In queue order (class, priority, arrival), but for the batch's share: admit while a slot is free and the
+        next request's worst-case KV cache fits the budget; otherwise it waits for running requests to end. Called
+        with the lock held."""
         while self._waiting and len(self._active) < self.max_active:
-            if not self.kv_budget.reserve(self._waiting[0], self._waiting[0].kv_bytes):
+            handle = next_to_admit(self._waiting, sum(h.background for h, _ in self._active), self.batch_slots)
+            if not self.kv_budget.reserve(handle, handle.kv_bytes):
                 break
-            handle = self._waiting.popleft()
+            self._waiting.remove(handle)
             self._active.append((handle, None))
             handle._admitted()
         self.metrics.queue_depth.set(len(self._waiting))

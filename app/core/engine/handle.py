@@ -66,6 +66,9 @@ class RequestHandle:
     # Set once the request has left the queue, admitted or ended: a stream with a queue limit waits for it before
     # its 200, so that a queue timeout is still an HTTP error with Retry-After.
     left_queue: asyncio.Event = field(default_factory=asyncio.Event)
+    # The priority class: False, interactive (an API client); True, background (a batch line), which waits behind
+    # every interactive request and runs in the capacity they leave, plus its share (Engine._next_to_admit).
+    background: bool = False
     adapter: Any = None  # app.models.lora.LoraAdapter: held until the request ends, even if it is unloaded meanwhile
     # app.metrics.Metrics its own counts go to (tokens, latencies, finish reason): the server's, or for the server's
     # own generations (warm-up, /health/generate) one nobody scrapes, so they are not counted as traffic
@@ -113,9 +116,22 @@ class RequestHandle:
 
 
 def enqueue_by_priority(waiting: deque[RequestHandle], handle: RequestHandle) -> None:
-    """Waiting requests in `priority` order (lower first, vLLM's), arrival order among equals: behind every request
-    of a lower or equal priority, ahead of the rest (batch lines wait behind interactive requests)."""
+    """Waiting requests by class (interactive before background), then `priority` (lower first, vLLM's), then
+    arrival: behind every request of its class with a lower or equal priority, ahead of the rest."""
     at = len(waiting)
-    while at > 0 and waiting[at - 1].params.priority > handle.params.priority:
+    while at > 0 and queue_rank(waiting[at - 1]) > queue_rank(handle):
         at -= 1
     waiting.insert(at, handle)
+
+
+def queue_rank(handle: RequestHandle) -> tuple[bool, int]:
+    return handle.background, handle.params.priority
+
+
+def next_to_admit(waiting: deque[RequestHandle], background_running: int, batch_slots: int) -> RequestHandle:
+    """The head of the queue; but while a background request waits behind interactive ones and fewer than
+    `batch_slots` background requests hold a slot, that one: the batch's share of the engine."""
+    head = waiting[0]
+    if head.background or background_running >= batch_slots:
+        return head
+    return next((h for h in waiting if h.background), head)

@@ -14,7 +14,8 @@ decode-only passes, DECODE_STEP=compiled), else `forward`. The engine's StepRunn
 follower call it, so all ranks take the same path on the same inputs.
 
 A row's sequence may carry a LoRA adapter (`seq.adapter`): the pass adds each row's own low-rank product to the
-body's linears (app/models/lora_layers.py), so rows of different adapters and the base share one pass.
+body's linears (app/models/lora_layers.py), so rows of different adapters and the base share one pass; under
+`invariant`, each product in calls checked as the linears' are.
 
 `invariant` (BATCH_INVARIANT, `LoadedModel.batch_invariant`): every row's numbers are fixed by its own request,
 whatever shares the pass. One row packs too (the solo pass is another attention path than the packed one), and
@@ -70,7 +71,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
-    with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device):
+    with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device, invariant):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]
         last = torch.tensor([end - k for (_, end), m in zip(spans, n_out) for k in range(m, 0, -1)], device=device)
         return logits_from_hidden(model, hidden[:, last])[0].float()  # [sum(n_out), vocab]

@@ -186,9 +186,11 @@ class EmbeddingServing:
     async def _embed(self, rows: list[list[int]], endpoint: str, request: Request) -> torch.Tensor:
         tokens = sum(len(r) for r in rows)
         request.state.prompt_tokens = tokens  # the access log's `prompt=`
-        deadlines = request_deadlines(request.headers.get(HEADER), getattr(request.state, "arrived", None),
-                                      self.queue_timeout_s, self.request_timeout_s)
-        vectors = torch.stack(await self.engine.embed(rows, deadlines))  # [rows, H]
+        background = getattr(request.state, "background", False)  # a batch line (app/entry.py): no queue limit
+        deadlines = (None, None) if background else request_deadlines(
+            request.headers.get(HEADER), getattr(request.state, "arrived", None), self.queue_timeout_s,
+            self.request_timeout_s)
+        vectors = torch.stack(await self.engine.embed(rows, deadlines, background))  # [rows, H]
         self.metrics.embedding_requests.labels(endpoint).inc()
         self.metrics.embedding_tokens.inc(tokens)
         self.metrics.embedding_inputs.inc(len(rows))

@@ -22,7 +22,7 @@ from app.openai.responses.items import input_messages
 # Responses fields that pass straight through to the chat request (vLLM accepts the same extras on both APIs).
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "stop", "chat_template_kwargs", "max_reasoning_tokens", "ignore_eos",
-                "min_tokens", "logit_bias", "user", "cache_salt")
+                "min_tokens", "logit_bias", "user", "cache_salt", "priority")
 # Where a chat parameter came from, so that a 400 names the field the client actually sent.
 CHAT_TO_RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                            "messages": "input", "reasoning_effort": "reasoning.effort",
