@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 from app.auth import ApiKeys, split_keys
 from app.batch.lines import ENDPOINTS, BadInput, check_file
 from app.batch.runner import BatchRunner, window_seconds
-from app.batch.store import Store
+from app.batch.store import QuotaRefused, Store
 from app.batch.uploads import ENVELOPE_BYTES, QuotaExceeded, Upload
 from app.errors import InvalidRequest, ServeError
 
@@ -196,8 +196,13 @@ class BatchService:
         except FileNotFoundError:  # deleted since its row was read
             raise NotFound(f"no file with id {input_file_id!r}", param="input_file_id") from None
         self.check_result_rows(owner, total)
-        batch = self.store.add_batch(owner, endpoint, input_file_id, completion_window, total,
-                                     int(time.time()) + seconds, metadata, self.settings.batch_max_in_progress)
+        try:  # both bounds again, in the insert's own transaction: concurrent creates cannot pass them together
+            batch = self.store.add_batch(owner, endpoint, input_file_id, completion_window, total,
+                                         int(time.time()) + seconds, metadata, self.settings.batch_max_in_progress,
+                                         self.settings.batch_max_result_rows_per_key)
+        except QuotaRefused:
+            self.check_result_rows(owner, total)  # raises, with the message and the figures as they are now
+            raise
         if batch is None:
             raise TooManyBatches(f"{self.settings.batch_max_in_progress} batches are already in progress for this "
                                  "key (BATCH_MAX_IN_PROGRESS); retry when one has finished")

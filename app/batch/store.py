@@ -45,6 +45,14 @@ TIMESTAMPS = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "c
               "cancelled": "cancelled_at"}
 
 
+class QuotaRefused(Exception):
+    """A new batch would take its owner's retained requests past the quota; `used`: how many they hold now."""
+
+    def __init__(self, used: int):
+        super().__init__(used)
+        self.used = used
+
+
 class StoreError(Exception):
     """BATCH_DIR cannot be used: named in the message, refused at start."""
 
@@ -185,9 +193,11 @@ class Store:
     # ---- batches ----
 
     def add_batch(self, owner: str, endpoint: str, input_file_id: str, completion_window: str, total: int,
-                  expires_at: int, metadata: dict | None, max_in_progress: int) -> dict | None:
-        """A new batch, unless its owner already has `max_in_progress` unfinished (None then): counted and inserted
-        in one transaction, so concurrent creates cannot pass the check together."""
+                  expires_at: int, metadata: dict | None, max_in_progress: int,
+                  max_result_rows: int | None = None) -> dict | None:
+        """A new batch, unless its owner already has `max_in_progress` unfinished (None then) or its retained
+        batches' requests would pass `max_result_rows` (QuotaRefused): counted and inserted in one transaction, so
+        concurrent creates cannot pass the checks together."""
         batch_id = "batch_" + uuid.uuid4().hex[:24]
         marks = ",".join("?" * len(UNFINISHED))
         with self._mutex:
@@ -197,6 +207,10 @@ class Store:
                                               f"({marks})", (owner, *UNFINISHED)).fetchone()
                 if running >= max_in_progress:
                     return None
+                (rows,) = self._db.execute("SELECT COALESCE(SUM(total), 0) FROM batches WHERE owner = ?",
+                                           (owner,)).fetchone()
+                if max_result_rows is not None and rows + total > max_result_rows:
+                    raise QuotaRefused(rows)
                 self._db.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, "
                                  "status, total, created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, "
                                  "'validating', ?, ?, ?, ?)",

@@ -24,7 +24,7 @@ from test_batch_api import chat_line, jsonl, wait_done
 
 from app.batch.lines import check_file, iter_lines
 from app.batch.runner import BatchRunner, window_seconds
-from app.batch.store import Store
+from app.batch.store import QuotaRefused, Store
 from app.core.engine.engine import Engine
 from app.core.engine.handle import RequestHandle, next_to_admit
 from app.core.sampling import SamplingParams
@@ -233,6 +233,19 @@ def test_concurrent_creates_cannot_pass_batch_max_in_progress_together(tmp_path)
         for t in threads:
             t.join()
         assert sum(b is not None for b in made) == 3
+        refused: list = []
+
+        def create_rows():  # BATCH_MAX_RESULT_ROWS_PER_KEY: 5 requests, 2 a batch: two pass, whatever the timing
+            try:
+                made.append(store.add_batch("rows", "/v1/chat/completions", "file-x", "24h", 2, 0, None, 99, 5))
+            except QuotaRefused as err:
+                refused.append(err.used)
+        threads = [threading.Thread(target=create_rows) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(refused) == 10 and set(refused) == {4}
     finally:
         store.close()
 

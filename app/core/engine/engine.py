@@ -48,7 +48,7 @@ from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
                                     next_to_admit, without_frames)
 from app.core.engine.heap import release_free_heap
-from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes
+from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes, export_kv_cache_gauges
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.runner.static_step import build_decode_step
 from app.core.engine.step import StepRunner, default_prefill_tokens_per_step
@@ -183,7 +183,8 @@ class Engine:
                                                "prompt chunks depend on what else prefills")  # on: ConfigError
             self._set_up_kv_budget()
             self._set_up_shortcuts()
-            self._export_kv_cache_gauges()
+            export_kv_cache_gauges(self.metrics, self.kv_budget, self.kv_layout, lambda: self.prefix_cache,
+                                   DEFAULT_BLOCK_SIZE)
             if self.prefill_tokens_per_step is None:
                 self.prefill_tokens_per_step = default_prefill_tokens_per_step(self.lm.device)
             if self.lm.device.type == "cpu":  # sampled rows side by side (see choose_many); GPU kernels are async
@@ -236,25 +237,6 @@ class Engine:
             log.info("speculative decoding is off: drafts are verified in the packed pass and cropped afterwards, "
                      "which this model's attention does not allow")
             self.speculative = "off"
-
-    def _export_kv_cache_gauges(self) -> None:
-        """What an endpoint picker reads (app/gateway_metrics.py): KV usage 0..1 at each scrape, and the cache's
-        shape in prefix-cache blocks, the unit a prefix hit is counted in."""
-        self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
-        block = self.prefix_cache.block_size if self.prefix_cache is not None else DEFAULT_BLOCK_SIZE
-        blocks = self.kv_budget.capacity // max(1, self.kv_layout.bytes_for(block))
-        self.metrics.kv_cache_info.labels(block_size=str(block), num_gpu_blocks=str(blocks)).set(1)
-
-    def kv_cache_usage(self) -> float:
-        """The share of the KV budget that admitted requests reserve (each its prompt + max_tokens worst case),
-        0 to 1. Reserved, not used: admission compares the reservation with the budget, so this is what says
-        whether the next request would queue here. The prefix cache's bytes count as free, since a reservation
-        evicts them on demand (as vLLM counts cached but unreferenced blocks as free)."""
-        if self.kv_budget is None or self.kv_budget.room <= 0:
-            return 0.0 if self.kv_budget is None else 1.0
-        held = (self.kv_budget.in_use - self.kv_budget.set_aside_bytes
-                - (self.prefix_cache.bytes if self.prefix_cache is not None else 0))
-        return min(1.0, max(0.0, held / self.kv_budget.room))
 
     def _set_up_static_decode(self):
         """DECODE_STEP=compiled: the pool is KV like any other, so it is charged to the budget, set aside for good.

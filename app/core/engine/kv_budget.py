@@ -159,3 +159,25 @@ def default_kv_cache_bytes(device: torch.device) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return max(0, free - int(GPU_MARGIN_FRACTION * total))
     return int(CPU_RAM_FRACTION * available_ram())
+
+
+def export_kv_cache_gauges(metrics, budget: KVBudget, layout: KVLayout, prefix_cache: Callable[[], object],
+                           block_size: int) -> None:
+    """What an endpoint picker reads (app/gateway_metrics.py): KV usage 0..1 at each scrape, and the cache's
+    shape in prefix-cache blocks (`block_size` without a prefix cache), the unit a prefix hit is counted in."""
+    metrics.kv_cache_usage.set_function(lambda: kv_cache_usage(budget, prefix_cache()))
+    cache = prefix_cache()
+    block = cache.block_size if cache is not None else block_size
+    blocks = budget.capacity // max(1, layout.bytes_for(block))
+    metrics.kv_cache_info.labels(block_size=str(block), num_gpu_blocks=str(blocks)).set(1)
+
+
+def kv_cache_usage(budget: KVBudget, prefix_cache) -> float:
+    """The share of the KV budget that admitted requests reserve (each its prompt + max_tokens worst case), 0 to 1.
+    Reserved, not used: admission compares the reservation with the budget, so this is what says whether the next
+    request would queue here. The prefix cache's bytes count as free, since a reservation evicts them on demand
+    (as vLLM counts cached but unreferenced blocks as free)."""
+    if budget.room <= 0:
+        return 1.0
+    held = budget.in_use - budget.set_aside_bytes - (prefix_cache.bytes if prefix_cache is not None else 0)
+    return min(1.0, max(0.0, held / budget.room))
