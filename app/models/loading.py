@@ -25,13 +25,14 @@ from app.models.architectures import unservable
 from app.models.batch_rows import copy_bytes, copy_bytes_held, use_batch_rows
 from app.models.cpu import CpuFeatures, auto_dtype, prepack_support
 from app.models.distributed import Ranks, tp_plan_problem
-from app.models.fetch import EMBEDDED, fetch_model
+from app.models.fetch import EMBEDDED
 from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
 from app.models.invariance import cannot_hold, make_linears_invariant, resolve_batch_invariant, invariant_splits
-from app.models.quant import dynamic_int8_supported, keep_own_copies, quantize_linears
+from app.models.quant import dynamic_int8_supported, keep_own_copies
+from app.models.streamed_load import load_weights, locate
 from app.models.tokenizer_memory import drop_build_inputs
 from app.models.weight_memory import describe, weight_bytes_by_format
 
@@ -188,11 +189,14 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if tensor_parallel > 1 and prepack == "true":
         raise ConfigError("PREPACK=true, but tensor parallelism shards the linear layers that prepacking copies; "
                           "set PREPACK=auto (off under tensor parallelism)", param="prepack")
-    source, kwargs = _locate(name_or_path, Path(cache_dir))
+    source, kwargs = locate(name_or_path, Path(cache_dir))
     if not kwargs and Path(source).is_dir() and is_pooling_dir(Path(source)):
         return _load_pooling(source, name_or_path, torch_device, dtype, max_model_len, quant, tensor_parallel)
     log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
-    ranks = None
+    ranks = invariant = None
+    if quant != "none":  # weighs no weights: resolved first, as the linears are quantized while they load
+        invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant,
+                                                         decode_step, lora=lora)
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
         if why := unservable(config):  # before minutes of loading weights it could not serve
@@ -206,28 +210,22 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
             # Each rank reads only its shard; transformers puts it on this rank's device (LOCAL_RANK).
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel), **kwargs)
-        else:
-            # Straight onto the device in its dtype: loading on the CPU and then moving would hold the weights twice.
-            load_dtype = _load_dtype(config, torch_dtype, quant)
-            if load_dtype != torch_dtype:
-                log.info("loading in %s, the checkpoint's dtype: QUANT=%s quantizes the linears from it, so loading "
-                         "peaks at the checkpoint's size, not %s's", str(load_dtype).removeprefix("torch."), quant,
-                         str(torch_dtype).removeprefix("torch."))
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=load_dtype, device_map=torch_device, **kwargs)
+        else:  # streamed where it can be, quantized as it loads (app/models/streamed_load.py)
+            model = load_weights(source, kwargs, config, torch_device, torch_dtype, quant,
+                                 {"wide_copy": int4_wide_copy, "batch_invariant": invariant})
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()
-    no_copies = (_no_fp32_copies(model, prepack, torch_device, torch_dtype)  # what `auto` weighs on a CPU in fp32
-                 if batch_invariant == "auto" and quant == "none" and tensor_parallel == 1 else None)
-    invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant, decode_step,
-                                                     sharded=tensor_parallel > 1, no_fp32_copies=no_copies,
-                                                     lora=lora)
+    if invariant is None:
+        no_copies = (_no_fp32_copies(model, prepack, torch_device, torch_dtype)  # what `auto` weighs on a CPU, fp32
+                     if batch_invariant == "auto" and tensor_parallel == 1 else None)
+        invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant,
+                                                         decode_step, sharded=tensor_parallel > 1,
+                                                         no_fp32_copies=no_copies, lora=lora)
     if ranks is not None:
         # The prepacked copies and batched-row kernels swap the linears' weights, which are DTensor shards here.
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
-    elif quant != "none":
-        # every linear, lm_head included: none to prepack
-        quantize_linears(model, quant, wide_copy=int4_wide_copy, batch_invariant=invariant, dtype=torch_dtype)
+    elif quant != "none":  # quantized as it loaded: every linear, lm_head included, none to prepack
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
@@ -257,20 +255,6 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
                        batch_invariant=invariant, invariance=invariance)
-
-
-def _load_dtype(config, dtype: torch.dtype, quant: str) -> torch.dtype:
-    """What to load the weights in: `dtype`, except where QUANT will replace the linears and the checkpoint holds
-    them narrower (a bf16 checkpoint, served in fp32 for the dynamic int8 kernels). Then its own dtype: loaded in
-    fp32, a 7B model would first take 30 GB for weights that quantizing brings to 8 (int8) or 5 (int4); loaded in
-    bf16 it peaks at 15, the file's size. The linears are quantized from the same values either way, and the
-    floats left are widened after (app/models/quant.py `quantize_linears`), so the model is the same, bit for bit
-    (tests/fast/test_quant.py)."""
-    stored = getattr(config, "dtype", None)
-    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    if quant == "none" or not isinstance(stored, torch.dtype) or not stored.is_floating_point:
-        return dtype
-    return stored if stored.itemsize < dtype.itemsize else dtype
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,
@@ -382,25 +366,6 @@ def _pack_fp32_copies(model, strict: bool, invariant: bool = False) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _locate(name_or_path: str, cache_dir: Path) -> tuple[str, dict[str, Any]]:
-    """Where from_pretrained should look, and with which extra arguments."""
-    if name_or_path in EMBEDDED:
-        return str(fetch_model(name_or_path, cache_dir)), {}
-    path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ConfigError(f"GGUF file not found: {path}", param="model")
-        return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is a directory but has no config.json", param="model")
-        return str(path), {}
-    if name_or_path.startswith(("/", "./", "../", "~")) or path.exists() or name_or_path.count("/") != 1:
-        raise ConfigError(f"model path not found: {name_or_path} (nor is it an embedded model name: "
-                          f"{', '.join(EMBEDDED)}; a hub id looks like org/name)", param="model")
-    return name_or_path, {}  # a hub id such as Qwen/Qwen2.5-7B-Instruct
 
 
 def serves_embeddings(name_or_path: str) -> bool:

@@ -201,45 +201,89 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     dtype: what the model runs in, where it was loaded narrower (a bf16 checkpoint served in fp32, so that loading
     peaks at the checkpoint's size, not fp32's): each linear is quantized from its loaded weights (read in fp32,
     one layer at a time), and every float left (norms, biases) is widened to `dtype` after, exactly.
+    A streamed load (app/models/streamed_load.py) makes the same swaps one linear at a time, as its weights arrive,
+    with the same `LinearQuantizer`, and ends with the same `finish_quantizing`.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
     if mode == "none":
         return "none"
-    param = next(model.parameters())
-    dtype = dtype or param.dtype
-    if mode == "int4" and (missing := int4_kernel_missing(param.device)):
-        log.warning("quant=int4: %s; every linear layer reads int8 weights instead", missing)
-        mode = "int8"
-    four_bits = 0
-    if mode == "int4":
-        head, bf16 = model.get_output_embeddings(), cpu_features().native_bf16
-        wide = bool(wide_copy and bf16 and not batch_invariant)
-        four_bits = _swap_linears(model, functools.partial(Int4Linear, wide_bf16=wide),
-                                  lambda linear: linear is not head and linear.in_features % INT4_GROUP == 0)
+    quantizer = LinearQuantizer(model, mode, kernel, engine, wide_copy, batch_invariant, dtype)
+    tied = tied_head(model)
+    _swap_linears(model, quantizer, lambda linear: linear is not tied)
+    return finish_quantizing(model, quantizer)
+
+
+def tied_head(model: nn.Module) -> nn.Linear | None:
+    """The lm_head where it is a plain linear that shares its weight with the input embedding table."""
+    head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
+    tied = isinstance(head, nn.Linear) and type(embed) is nn.Embedding and head.weight is embed.weight
+    return head if tied else None
+
+
+class LinearQuantizer:
+    """What `quantize_linears` swaps each linear for, decided once for the model: called with a plain `nn.Linear`,
+    its int4 or int8 replacement. `device`: where the weights will be (a model still on the meta device has none)."""
+
+    def __init__(self, model: nn.Module, mode: str, kernel: str = "auto", engine: str = "auto",
+                 wide_copy: bool = False, batch_invariant: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
+        param = next(model.parameters())
+        self.dtype, device = dtype or param.dtype, device or param.device
+        self.wide_copy, self.batch_invariant, self.bf16 = wide_copy, batch_invariant, cpu_features().native_bf16
+        self.head = model.get_output_embeddings()  # int8 with QUANT=int4 too
+        self.tied: int | None = None  # `quantize_table`'s: 1 where the lm_head's int8 rows are the table's
+        if mode == "int4" and (missing := int4_kernel_missing(device)):
+            log.warning("quant=int4: %s; every linear layer reads int8 weights instead", missing)
+            mode = "int8"
+        self.int4 = (functools.partial(Int4Linear, wide_bf16=bool(wide_copy and self.bf16 and not batch_invariant))
+                     if mode == "int4" else None)
+        if kernel == "auto":
+            kernel = "dynamic" if dynamic_int8_supported(device, self.dtype) else "weight_only"
+        self.kernel, self.why = kernel, "weight-only"
+        if kernel == "dynamic":
+            chosen, self.why = int8_engine() if engine == "auto" else (engine, f"engine={engine} was asked for")
+            if chosen is None:
+                raise ValueError(f"dynamic int8 cannot run here: {self.why}")
+            self.int8 = functools.partial(_dynamic_linear, engine=chosen, anchored=batch_invariant)
+        else:
+            self.int8 = functools.partial(WeightOnlyInt8Linear, dtype=self.dtype)
+
+    def __call__(self, linear: nn.Linear) -> nn.Module:
+        if self.int4 is not None and linear is not self.head and linear.in_features % INT4_GROUP == 0:
+            return self.int4(linear)
+        return self.int8(linear)
+
+
+def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
+    """After the decoder's linears are swapped: the tied lm_head, any linear left, the embedding table, own copies
+    of every float left, and the log lines; returns the int8 kernel."""
+    kernel, dtype = quantizer.kernel, quantizer.dtype
+    tied = quantizer.tied if quantizer.tied is not None else quantize_table(model, quantizer)
+    _swap_linears(model, quantizer.int8, lambda linear: True)  # an untied head whose weight was not swapped yet
+    four_bits = sum(isinstance(m, Int4Linear) for m in model.modules())
+    count = sum(isinstance(m, (DynamicInt8Linear, WeightOnlyInt8Linear)) for m in model.modules())
+    if quantizer.int4 is not None:
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
                  "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
                  INT4_GROUP, torch.backends.cpu.get_cpu_capability(),
-                 _wide_copy_note(model, wide_copy, bf16, batch_invariant))
-    if kernel == "auto":
-        kernel = "dynamic" if dynamic_int8_supported(param.device, dtype) else "weight_only"
-    why = "weight-only"
-    if kernel == "dynamic":
-        chosen, why = int8_engine() if engine == "auto" else (engine, f"engine={engine} was asked for")
-        if chosen is None:
-            raise ValueError(f"dynamic int8 cannot run here: {why}")
-        make = functools.partial(_dynamic_linear, engine=chosen, anchored=batch_invariant)
-    else:
-        make = functools.partial(WeightOnlyInt8Linear, dtype=dtype)
-    tied = _quantize_tied_head(model, kernel, dtype)
-    count = _swap_linears(model, make, lambda linear: True) + tied  # every plain nn.Linear int4 left
+                 _wide_copy_note(model, quantizer.wide_copy, quantizer.bf16, quantizer.batch_invariant))
     if count or not four_bits:
-        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s%s", count, kernel, why,
-                 "; the tied lm_head's int8 rows are the input embedding's, held once" if tied else "",
+        log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s%s", count, kernel,
+                 quantizer.why, "; the tied lm_head's int8 rows are the input embedding's, held once" if tied else "",
                  ", on the weight-only kernel in bf16 (native here)" if tied and kernel == "dynamic" else "")
-    quantize_embedding(model, dtype)
     keep_own_copies(model, dtype)
     return kernel
+
+
+def quantize_table(model: nn.Module, quantizer: LinearQuantizer) -> int:
+    """The input embedding table as int8 rows, shared with a tied lm_head where it can be (`_quantize_tied_head`);
+    returns 1 where it is shared. A streamed load calls it as soon as the table has arrived."""
+    quantizer.tied = _quantize_tied_head(model, quantizer.kernel, quantizer.dtype)
+    if quantizer.tied:  # the float head swapped out: not kept alive here
+        quantizer.head = None
+    quantize_embedding(model, quantizer.dtype)
+    return quantizer.tied
 
 
 def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None, batch_invariant: bool = False) -> str:
@@ -307,8 +351,8 @@ def _quantize_tied_head(model: nn.Module, kernel: str, dtype: torch.dtype) -> in
     packed weight cannot be gathered from, the head still takes the weight-only kernel on the shared rows, in bf16,
     where the CPU multiplies bf16 natively; elsewhere it is untied: quantized as any linear, the table apart
     (returns 0)."""
-    head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
-    if not (isinstance(head, nn.Linear) and type(embed) is nn.Embedding and head.weight is embed.weight):
+    head, embed = tied_head(model), model.get_input_embeddings()
+    if head is None:
         return 0
     shares = head.weight.device.type == "cpu" and (kernel != "dynamic" or cpu_features().native_bf16 is not None)
     if not shares:

@@ -68,10 +68,13 @@ class Int4Linear(nn.Module):
     DECODE_ROWS = 4
     wide_packed = False
 
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, wide_bf16: bool = False):
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, wide_bf16: bool = False,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`quantized`: (codes int32 [out, in], scales_and_zeros [in / group, out, 2]) made already (a GGUF's own
+        4-bit blocks, app/models/gguf_blocks.py); `linear.weight` is then not read (it may be on the meta device)."""
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
-        codes, scales_and_zeros, _ = int4_weight(linear.weight, group)
+        codes, scales_and_zeros = quantized if quantized is not None else int4_weight(linear.weight, group)[:2]
         scales_and_zeros = scales_and_zeros.to(torch.bfloat16)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros)

@@ -126,8 +126,12 @@ def test_where_prepack_cannot_run_auto_serves_plain_layers_and_true_fails(tiny_d
 
 
 def test_the_model_loads_straight_onto_its_device(tiny_dir, monkeypatch):
-    """Loading on the CPU and then calling .to(device) holds the weights twice in host RAM on the way to a GPU."""
+    """Loading on the CPU and then calling .to(device) holds the weights twice in host RAM on the way to a GPU.
+    Streamed (app/models/streamed_load.py), from_pretrained is not called at all; where it is (here: the streamed
+    load told that there are no files), it loads onto the device."""
     from transformers import AutoModelForCausalLM
+
+    from app.models import streamed_load
 
     seen = {}
     from_pretrained = AutoModelForCausalLM.from_pretrained.__func__
@@ -139,8 +143,14 @@ def test_the_model_loads_straight_onto_its_device(tiny_dir, monkeypatch):
     def no_moves(self, *args, **kwargs):
         raise AssertionError(f"the model was moved after loading: .to{args}")
 
+    def no_files(directory):
+        raise streamed_load.NotStreamable("this test's")
+
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
     monkeypatch.setattr(nn.Module, "to", no_moves)
+    lm = load_model(str(tiny_dir), "cpu", "float32")
+    assert seen == {} and lm.device == CPU and lm.dtype == torch.float32
+    monkeypatch.setattr(streamed_load, "_shards", no_files)
     lm = load_model(str(tiny_dir), "cpu", "float32")
     assert seen["device_map"] == CPU and seen["dtype"] == torch.float32
     assert lm.device == CPU and lm.dtype == torch.float32
