@@ -1,7 +1,8 @@
 """What one request owns while it generates, and how its next token is chosen: the state that the article's loop
 (app/core/generate.py) and the engine's steps (app/core/engine/step.py) share.
 
-`Sequence` holds a request's tokens, its own DynamicCache, its seeded generator, its detokenizer and its stop state.
+`Sequence` holds a request's tokens, its own KV cache (a DynamicCache that grows in place,
+app/core/runner/kv_store.py), its seeded generator, its detokenizer and its stop state.
 `choose_many` picks the next token of several sequences from one pass's logits at once; `Sequence.accept` turns a
 chosen token into the event a caller sees. Every path, solo or batched, chooses through these two.
 """
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
-from transformers import DynamicCache
 
 from app.core.detokenize import IncrementalDetokenizer
 from app.core.preamble import PreambleState
+from app.core.runner.kv_store import KVStore
 from app.core.sampling import (MAX_PROMPT_LOGPROBS_TOKENS, Inspection, SamplingParams, inspect_stages,
                                make_generator, process_logits, sample)
 from app.core.stopping import StopStringFilter, special_stop_ids, token_finish_reason
@@ -97,7 +98,8 @@ class Sequence:
         self.token_ids = torch.zeros(1, self.prompt_len + self.max_new_tokens, dtype=torch.long, device=device)
         self.token_ids[0, : self.prompt_len] = torch.tensor(list(prompt_ids), device=device)
         self.length = self.prompt_len
-        self.cache = DynamicCache(config=model.config)
+        # its own KV cache, grown in place and never past the prompt + max_tokens the KV budget reserved
+        self.cache = KVStore(model.config, limit=self.token_ids.shape[1])
         self.generator = make_generator(params.seed, device)
         self.eos_ids = frozenset(eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | special_stop_ids(tokenizer, params.stop)

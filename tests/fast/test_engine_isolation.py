@@ -164,10 +164,10 @@ def test_a_failing_prefix_cache_copy_fails_only_its_request(tiny_lm, monkeypatch
     real_load, prompt = PrefixCache.load, tiny_lm.encode_text("Paris is a city on the Seine, with many bridges.")
     poisoned = {"on": False}
 
-    def load(self, blocks, config):
+    def load(self, blocks, config, limit=None):
         if poisoned["on"]:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory (simulated)")
-        return real_load(self, blocks, config)
+        return real_load(self, blocks, config, limit)
 
     monkeypatch.setattr(PrefixCache, "load", load)
 

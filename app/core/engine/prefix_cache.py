@@ -10,7 +10,7 @@ skips prefilling that part.
 
 Each block holds its KV for every layer in two immutable tensors, keys `[layers, kv_heads, block, key_dim]` and values
 `[layers, kv_heads, block, value_dim]` (two, since the sizes may differ: MLA caches a latent and a rotary key).
-A hit is copied into the new request's own DynamicCache (`load`), so requests never share or mutate cached tensors
+A hit is copied into the new request's own KVStore (`load`), so requests never share or mutate cached tensors
 and a block can be evicted at any time. Keys are exact (Python compares the token tuples on a dict hit), so two
 different prompts never share KV because of a hash collision.
 
@@ -43,6 +43,8 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
+
+from app.core.runner.kv_store import KVStore
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a hit loses at most block_size - 1 tokens to rounding
 
@@ -113,12 +115,12 @@ class PrefixCache:
         self._touch(blocks)
         return blocks
 
-    def load(self, blocks: list[Block], config) -> DynamicCache:
-        """A new DynamicCache holding a copy of `blocks`' keys and values (the request owns it)."""
+    def load(self, blocks: list[Block], config, limit: int | None = None) -> KVStore:
+        """A new KVStore (of at most `limit` tokens) holding a copy of `blocks`' keys and values: the request owns
+        it, and writes its next tokens after them in place."""
         keys = torch.cat([block.keys for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, key_dim]
         values = torch.cat([block.values for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, value_dim]
-        # DynamicCache.update concatenates, so each layer gets its own contiguous copy, never a view of these.
-        return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
+        return KVStore.holding([k[None] for k in keys], [v[None] for v in values], config, limit)
 
     def insert(self, token_ids: Sequence[int], cache: DynamicCache, salt: str | None = None) -> int:
         """Store the full blocks of `token_ids` whose KV `cache` holds and that are not cached yet, under `salt`;

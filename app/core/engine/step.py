@@ -274,7 +274,7 @@ class StepRunner:
         handle.metrics.prefix_cache_queried.inc(seq.prompt_len)
         blocks = self.prefix_cache.match(handle.prompt_ids, prefix_salt(handle.params.cache_salt, handle.adapter))
         if blocks:
-            seq.cache = self.prefix_cache.load(blocks, self.lm.model.config)
+            seq.cache = self.prefix_cache.load(blocks, self.lm.model.config, limit=seq.token_ids.shape[1])
             handle.cached_tokens = seq.cache.get_seq_length()
             handle.metrics.prefix_cache_hits.inc(handle.cached_tokens)
 

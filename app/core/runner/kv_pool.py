@@ -1,7 +1,7 @@
 """One KV cache allocated at start, in blocks; each request's cache is a handle into it (its block ids, its length).
 
-Today each request owns a DynamicCache that grows by `torch.cat` every token, so every step has new tensors of new
-sizes: nothing a compiler or a CUDA graph can replay. Here the memory is one tensor per layer for keys and one for
+On the eager path each request owns a KVStore (app/core/runner/kv_store.py) whose views change size every token:
+nothing a compiler or a CUDA graph can replay. Here the memory is one tensor per layer for keys and one for
 values, `[num_blocks + 1, kv_heads, block_size, head_dim]`, allocated once; the last block is the pad block, where
 the padding rows of a batch-size bucket write and read (app/core/runner/static_step.py). A request still owns its cache:
 `PoolHandle` holds its block ids and length, takes blocks as it grows, writes its new keys in place (no copy of
@@ -26,9 +26,10 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from app.core.runner.kv_store import KVStore
 from app.core.runner.packed import grouped_decode_attention, latent_kv, packed_attention
 
 POOLED = "simple_serve_pooled"
@@ -152,12 +153,13 @@ class PoolHandle:
         for layer in self.layers:
             layer.crop(max_length)
 
-    def as_dynamic_cache(self, config) -> DynamicCache:
-        """A DynamicCache holding a copy of this request's keys and values, one gather per layer: what the prefix
-        cache stores from at the request's end."""
-        return DynamicCache(ddp_cache_data=[(self.read(keys, layer.length), self.read(values, layer.length))
-                                            for keys, values, layer in zip(self.pool.keys, self.pool.values,
-                                                                           self.layers)], config=config)
+    def as_dynamic_cache(self, config) -> KVStore:
+        """A KVStore (app/core/runner/kv_store.py) holding a copy of this request's keys and values, one gather per
+        layer: what the prefix cache stores from at the request's end, and a row's own cache when it leaves the
+        pool."""
+        lengths = [layer.length for layer in self.layers]
+        return KVStore.holding([self.read(keys, n) for keys, n in zip(self.pool.keys, lengths)],
+                               [self.read(values, n) for values, n in zip(self.pool.values, lengths)], config)
 
     def reserve(self, length: int) -> None:
         """Hold enough blocks for `length` tokens (raises PoolExhausted, taking none, if the pool cannot)."""

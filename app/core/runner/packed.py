@@ -16,11 +16,14 @@ Two pieces make the HF model accept such a row without touching its code:
   run would get, so only attention is per request, and the projections and MLPs still see all rows at once.
   Chunked attention and recurrent layers are refused at start (app/models/architectures.py).
 
-The projections and MLPs see no padding at all. Only attention pads: the single-token decode rows share one SDPA
-call over their keys left-padded to one width, with the padding masked out (measured 57-62 ms per batch-8 step,
-against 77 ms with one SDPA call per request); each prefill chunk gets its own call, unpadded. On a CPU in
-bf16/fp16 the decode rows take two fp32 matmuls instead of SDPA (`grouped_decode_attention`: far faster there).
-A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it as the solo pass.
+The projections and MLPs see no padding at all. On a CPU in bf16/fp16 the decode rows take two fp32 matmuls each
+(`grouped_decode_attention`: far faster there than SDPA) over their own keys where they lie: each cache is a
+`KVStore` that grows in place (app/core/runner/kv_store.py), so a decode step copies no cache; it only casts each
+row's keys and values into one fp32 scratch that every layer reuses. Short rows (`PAD_UP_TO`), and every row in
+fp32 or on a GPU, share one call over their keys left-padded to one width, the padding masked out (SDPA: measured
+57-62 ms per batch-8 step, against 77 ms with one call per request). Each prefill chunk gets its own call, unpadded.
+A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it
+as the solo pass.
 
 With BATCH_INVARIANT on (`PackedCaches` given the rows' positions), none of that padding or chunk-sized calls:
 each request's rows attend in calls fixed by its own positions (app/core/runner/pieces.py), on either function.
@@ -50,6 +53,10 @@ from app.core.runner.pieces import Call, attend_in_calls, invariant_calls
 PACKED = "simple_serve_packed"
 PACKED_EAGER = "simple_serve_packed_eager"  # packed, each request's attention on the model's own eager function
 PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's attention gets the PackedCaches
+# Decode rows of at most this many keys share one padded call (fp32 matmuls on a CPU in half precision): at 8 rows of
+# ~100 keys, 28 ms a step against 36 for a call per row; past it a call per row wins (8 rows of 250-509 keys: 37 ms
+# against 132, the padded copies' fresh pages), and copies no cache.
+PAD_UP_TO = 256
 
 
 def latent_kv(config) -> tuple[int, int] | None:
@@ -93,6 +100,7 @@ class PackedCaches:
         self.chunks = [i for i, (start, end) in enumerate(spans) if end - start > 1]
         self.decode_rows = torch.tensor([spans[i][0] for i in self.decoding], device=device)  # once per step
         self._masks: dict[tuple, torch.Tensor | None] = {}
+        self._scratch: list[torch.Tensor | None] = [None, None]  # fp32 keys and values for decode rows (`fp32`)
         self.starts = list(starts) if starts is not None else None
         self.calls = invariant_calls(spans, self.starts, list(prefill)) if starts is not None else None
 
@@ -116,6 +124,13 @@ class PackedCaches:
         window = self.windows[layer_idx] if self.windows is not None else None
         return (PerRequest(list(key.split(lengths, dim=-2)), self, window),
                 PerRequest(list(value.split(lengths, dim=-2)), self, window))
+
+    def fp32(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """`tensor` [1, kv_heads, n, d] cast to fp32 in this pass's scratch `slot` (0 keys, 1 values), which every
+        layer and row reuses: a fresh tensor per layer and row cost its pages (measured ~10 ms a step at 4,096)."""
+        if self._scratch[slot] is None or self._scratch[slot].numel() < tensor.numel():
+            self._scratch[slot] = torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        return self._scratch[slot][: tensor.numel()].view(tensor.shape).copy_(tensor)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
@@ -185,20 +200,27 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                                attend), None
     # [1, T_total, heads, value head_dim]: MLA's values are not the size of its keys and queries
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
-    if step.decoding:  # one call for all single-token rows: their keys left-padded to one width, padding masked out
+    if step.decoding:
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
-        # On a CPU in bf16/fp16, two fp32 matmuls beat SDPA by far (`grouped_decode_attention`); the padded copy
-        # is made in fp32 directly, so they cost no extra copy.
-        matmuls = decode_matmuls(query.device, query.dtype)
-        dtype = torch.float32 if matmuls else query.dtype
-        k, v = _left_padded([key.tensors[i] for i in step.decoding], [value.tensors[i] for i in step.decoding], dtype)
-        mask = step.decode_mask([key.tensors[i].shape[-2] for i in step.decoding], window, dtype)
-        if matmuls:
-            o = grouped_decode_attention(q, k, v, mask, scaling or q.shape[-1] ** -0.5)  # [B, heads, d] fp32
-            out[0, step.decode_rows] = o.to(query.dtype)
-        else:
-            o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)  # [B, 1, heads, d]
-            out[0, step.decode_rows] = o[:, 0]
+        matmuls, scale = decode_matmuls(query.device, query.dtype), scaling or q.shape[-1] ** -0.5
+        lengths = [key.tensors[i].shape[-2] for i in step.decoding]
+        if matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
+            for b, i in enumerate(step.decoding):
+                k, v = key.tensors[i], value.tensors[i]  # [1, kv_heads, len_i, d]
+                if window is not None:  # the keys a sliding window still shows
+                    k, v = k[..., -window:, :], v[..., -window:, :]
+                o = grouped_decode_attention(q[b : b + 1], step.fp32(k, 0), step.fp32(v, 1), None, scale)
+                out[0, step.spans[i][0]] = o[0].to(query.dtype)
+        else:  # one call for all rows, their keys left-padded to one width, padding masked out
+            dtype = torch.float32 if matmuls else query.dtype
+            k, v = _left_padded([key.tensors[i] for i in step.decoding], [value.tensors[i] for i in step.decoding],
+                                dtype)
+            mask = step.decode_mask(lengths, window, dtype)
+            if matmuls:
+                out[0, step.decode_rows] = grouped_decode_attention(q, k, v, mask, scale).to(query.dtype)
+            else:
+                o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)
+                out[0, step.decode_rows] = o[:, 0]  # [B, 1, heads, d]
     for i in step.chunks:  # each prefill chunk: its own call, unpadded
         start, end = step.spans[i]
         k, v = key.tensors[i], value.tensors[i]
