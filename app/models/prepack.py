@@ -199,7 +199,10 @@ def _packable(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear | No
     """(parent, name, linear) for each plain `nn.Linear`; linear is None where it shares the input embedding's
     weight."""
     embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    for parent, name, child in plain_linears(model):
+    linears = plain_linears(model)[::-1]
+    while linears:  # popped, not iterated: a list of them all kept every swapped-out weight alive to the end, and
+        # packing then peaked at twice the model (1.5B shape in bf16 on a Zen 4: 5,960 MiB against 3,440 unpacked)
+        parent, name, child = linears.pop()
         yield parent, name, None if child.weight.data_ptr() in embedded else child
 
 

@@ -304,3 +304,28 @@ def test_a_bf16_checkpoint_packed_in_place_keeps_nothing_of_its_file(tiny_tokeni
     assert lm.prepack.startswith("on") and linears(lm.model)[1] > 0
     assert not mapped(), "the checkpoint is still mapped"
     assert len(greedy(lm.model, tiny_tokenizer, [1, 2, 3, 4], lm.eos_ids, n=6)) == 6
+
+
+@needs_prepack
+def test_packing_frees_each_swapped_out_weight_as_it_goes(tiny_tokenizer, monkeypatch):
+    """Packing in place holds at most the layer being packed beside the packed ones: a list of every linear kept
+    all the swapped-out weights alive to the end, and packing peaked at twice the model."""
+    import weakref
+
+    import app.models.prepack as prepack
+
+    model = build_tiny_model(len(tiny_tokenizer)).to(torch.bfloat16)
+    originals = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    alive_at_each_packing: list[int] = []
+    real = prepack.PackedLinear
+
+    class Counting(real):
+        def __init__(self, linear, *args, **kwargs):
+            alive_at_each_packing.append(sum(ref() is not None for ref in originals))
+            super().__init__(linear, *args, **kwargs)
+
+    monkeypatch.setattr(prepack, "PackedLinear", Counting)
+    assert prepack_linears(model) == len(originals)
+    # the k-th packing sees the layers not yet packed, the one being packed, and at most the previous one
+    assert all(alive <= len(originals) - k + 1 for k, alive in enumerate(alive_at_each_packing))
+    assert sum(ref() is not None for ref in originals) == 0
