@@ -218,7 +218,7 @@ def server_command(name: str, model_dir: Path, gguf: Path | None, llama_server: 
 
 
 # Each server's memory is read this long after its last answer: ours gives the heap's free pages back to the OS once
-# its engine is idle (app/core/engine/heap.py), so a read straight after the answer raced that, and QUANT=int4's RSS
+# its engine is idle (app/heap.py), so a read straight after the answer raced that, and QUANT=int4's RSS
 # at 0.5B varied from 819 to 880 MiB between runs of the same tree (Zen 5). The peak (VmHWM) is kept either way.
 SETTLE_S = 2.0
 

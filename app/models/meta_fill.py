@@ -5,15 +5,14 @@ read, and giving freed heap back to the OS between tensors."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import itertools
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from app.heap import release_free_heap
 
 READ_CHUNK = 64 * 2**20  # bytes per read call
 
@@ -74,12 +73,6 @@ def put(holders: list[tuple[nn.Module, str]], tensor: torch.Tensor) -> nn.Module
     return first
 
 
-@functools.cache
-def _malloc_trim():
-    libc = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-
-
 TRIM_EVERY = 8  # tensors: about a layer's linears (7 in Qwen2's), so that about one layer's temporaries are held
 
 
@@ -91,8 +84,8 @@ def give_back_freed() -> None:
     the blocks kept (the quantized weights), and the process's resident memory with them: give them back, once every
     TRIM_EVERY calls. Each trim walks the whole heap: after every tensor it cost 1.4 s of a 6 s load of the 0.5B
     shape with QUANT=int8 on a Zen 4 (one run each, on a shared machine), for 30 MiB less peak."""
-    if next(_TRIMS) % TRIM_EVERY == 0 and (trim := _malloc_trim()) is not None:
-        trim(0)
+    if next(_TRIMS) % TRIM_EVERY == 0:
+        release_free_heap()
 
 
 def complete_linear(module: nn.Module) -> bool:

@@ -47,7 +47,7 @@ from app.core.runner.packed import enable_packed_batching
 from app.core.sequence import NO_TOKEN, Sequence, TokenEvent, check_request
 from app.core.engine.handle import (DONE, EngineDead, GenerationFailed, RequestHandle, enqueue_by_priority,
                                     next_to_admit, without_frames)
-from app.core.engine.heap import release_free_heap
+from app.heap import release_free_heap
 from app.core.engine.kv_budget import KVBudget, KVLayout, default_kv_cache_bytes, export_kv_cache_gauges
 from app.core.engine.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, keeps_all_keys
 from app.core.runner.static_step import build_decode_step

@@ -1,4 +1,5 @@
-"""Process memory the engine gives back when it has nothing to run (glibc's arenas keep freed pages mapped)."""
+"""Process memory given back to the OS (glibc's arenas keep freed pages mapped): by the engine when it has nothing
+to run, and by the streamed load between tensors (app/models/meta_fill.py)."""
 
 from __future__ import annotations
 
