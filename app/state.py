@@ -16,7 +16,7 @@ from app.body import BodyLimits
 from app.config import Settings
 from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
-from app.core.structured.schema_check import GrammarLimits
+from app.structured.schema_check import GrammarLimits
 from app.errors import ConfigError, NotReady, ShuttingDown
 from app.gpu_only_imports import SKIPPED, triton_skipped
 from app.metrics import Metrics

@@ -24,7 +24,7 @@ import torch
 from benchmarks import record
 from app.config import Settings
 from app.core.runner.packed import enable_packed_batching
-from app.core.structured.grammars import Grammars
+from app.structured.grammars import Grammars
 from app.core.runner.forward import forward
 from app.core.sequence import Sequence, choose_many
 from app.core.sampling import SamplingParams

@@ -73,7 +73,7 @@ class SamplingParams:
     inspect: int = 0  # > 0: record that many top candidates at every stage of the pipeline (costs time; opt-in)
     do_sample: bool = True
     preamble: Preamble | None = None  # a reasoning model's thinking: its end marker and token budget
-    grammar: Any = field(default=None, compare=False)  # app.core.structured.grammars.Grammar: the answer must match it
+    grammar: Any = field(default=None, compare=False)  # app.structured.grammars.Grammar: the answer must match it
     # prefix-cache entries are reused only among requests with the same salt (vLLM's `cache_salt`); never echoed
     cache_salt: str | None = field(default=None, repr=False)
     # scheduling, not sampling: the engine's queue orders waiting requests by it, lower first (vLLM's `priority`)

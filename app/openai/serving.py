@@ -28,8 +28,8 @@ from app.openai.answer import Choice, Delta
 from app.openai.completions_wire import ChatApi, CompletionsApi, error_body  # noqa: F401 (error_body: main.py's)
 from app.openai.flow import create
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest
-from app.core.structured.grammars import Grammar, Grammars
-from app.core.structured.schema_check import GrammarLimits
+from app.structured.grammars import Grammar, Grammars
+from app.structured.schema_check import GrammarLimits
 from app.openai.reasoning import reasoning_format
 from app.openai.scoring import check_prompt_scores
 from app.openai.stream_parts import merge_events, record_timing, sampling_header

@@ -8,7 +8,7 @@ regex, a choice of strings, or an EBNF grammar), a chat `response_format`, or th
     arguments valid against its `parameters` (vLLM builds one JSON schema for this; a structural tag keeps the
     model in the format it was trained on, so the ordinary tool-call parser reads the answer, streamed or not).
 
-The grammar itself is compiled by app/core/structured/grammars.py, which knows nothing of OpenAI, and cached there per
+The grammar itself is compiled by app/structured/grammars.py, which knows nothing of OpenAI, and cached there per
 tenant: the caller's API-key tenant where the prefix cache is salted by key (app/api.py), so one tenant cannot
 tell by latency which schemas another sent. A schema sent as a string is parsed as strictly as a request body
 (no NaN or Infinity; nesting past the parser's reach is a 400, not a RecursionError).
@@ -23,8 +23,8 @@ from typing import Any
 from starlette.requests import Request
 
 from app.body import NotFinite, finite_float, no_constant
-from app.core.structured.grammars import MAX_WHITESPACE, Grammar, Grammars, refusing_as_invalid
-from app.core.structured.schema_check import GrammarLimits, SchemaCost, check_schema
+from app.structured.grammars import MAX_WHITESPACE, Grammar, Grammars, refusing_as_invalid
+from app.structured.schema_check import GrammarLimits, SchemaCost, check_schema
 from app.errors import InvalidRequest
 from app.openai.tools.forced import forced_calls_format
 from app.openai.tools.wire import ResponseFormat, Tool

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import app.core.structured.grammars as grammars_module
-from app.core.structured.schema_check import ENFORCED, GrammarLimits, check_schema, pattern_repeat
-from app.core.structured.grammars import check_text
+import app.structured.grammars as grammars_module
+from app.structured.schema_check import ENFORCED, GrammarLimits, check_schema, pattern_repeat
+from app.structured.grammars import check_text
 from app.errors import InvalidRequest
 from test_tools_api import hermes_lm, hermes_server  # noqa: F401 - shared fixtures
 
@@ -129,7 +129,7 @@ def test_an_exception_nobody_foresaw_while_checking_is_a_400_naming_the_field_an
         hermes_server, monkeypatch, caplog, target):
     monkeypatch.setattr(grammars_module, target, raise_unforeseen)
     fields = {"guided_json": {"type": "object"}} if target == "check_schema" else {"guided_regex": "ab+"}
-    with caplog.at_level(logging.WARNING, logger="app.core.structured.grammars"):
+    with caplog.at_level(logging.WARNING, logger="app.structured.grammars"):
         r = httpx.post(hermes_server.url + "/v1/chat/completions", json=dict(CHAT, **fields), timeout=60)
     param = next(iter(fields))
     assert_names(r, param)

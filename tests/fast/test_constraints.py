@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app.core.structured.grammars import MAX_WHITESPACE, Grammars, check_schema
+from app.structured.grammars import MAX_WHITESPACE, Grammars, check_schema
 from app.core.generate import decode_step, generate, prefill
 from app.core.sequence import Sequence, choose_many
 from app.core.sampling import SamplingParams
@@ -174,7 +174,7 @@ def test_allows_reads_the_same_bits_as_the_mask(tiny_lm, grammars):
 @pytest.mark.full
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_greedy_check_first_gives_the_tokens_of_the_full_mask(tiny_lm, grammars, monkeypatch, penalty):
-    from app.core.structured.grammars import GrammarMatcher
+    from app.structured.grammars import GrammarMatcher
 
     grammar = grammars.json_schema(SCHEMA)
     # a bias toward one valid document's tokens, so the random model's best token is sometimes allowed

@@ -237,7 +237,7 @@ NOT_MEASURED = {
     ("architecture.md", "10%"): "the share of the card the default KV budget leaves free, a rule (vLLM's 0.9)",
     ("configuration.md", "10%"): "the same rule, in KV_CACHE_BYTES' description",
     ("limits.md", "10%"): "the same rule, in the limits table",
-    ("limits.md", "256 MiB"): "the grammar cache's byte bound, a constant in app/core/structured/grammars.py",
+    ("limits.md", "256 MiB"): "the grammar cache's byte bound, a constant in app/structured/grammars.py",
     ("limits.md", "100 ms"): "bench soak's default --health-p99-ms and the adversarial test's bound; the flood test's "
                              "simulated step (STEP_S in tests/test_body_flood.py)",
     ("limits.md", "200 ms"): "the flood test's bound on /health's p99, the Done-when of issue 34",

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from app.core.structured.grammars import Grammars
+from app.structured.grammars import Grammars
 from app.core.engine.engine import Engine, EngineDead, GenerationFailed
 from app.core.sampling import SamplingParams
 from app.core.engine.step import share_prefill

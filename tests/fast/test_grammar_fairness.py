@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.core.structured.grammars import Grammars
-from app.core.structured.fair_queue import FairQueue
-from app.core.structured.grammar_compile import CompilePool
-from app.core.structured.schema_check import GrammarLimits, check_schema
+from app.structured.grammars import Grammars
+from app.structured.fair_queue import FairQueue
+from app.structured.grammar_compile import CompilePool
+from app.structured.schema_check import GrammarLimits, check_schema
 from app.errors import InvalidRequest, Overloaded
 from app.openai.structured import forced_tool_tag
 from app.openai.tools.wire import Tool

@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from app.core.structured.grammars import Grammars, library_message
+from app.structured.grammars import Grammars, library_message
 from app.core.engine.engine import Engine
 from app.core.sampling import SamplingParams
-from app.core.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
+from app.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
 from app.errors import InvalidRequest
 
 DEAD_END = {"type": "string", "pattern": "[^\\s\\S]"}  # compiles; after the opening quote nothing may follow
@@ -192,7 +192,7 @@ def test_n_choices_one_fails_siblings_tasks_end(tiny_lm, monkeypatch):
 
 @pytest.mark.full
 def test_compiles_of_one_schema_are_shared_and_waiting_compiles_are_bounded(tiny_lm, monkeypatch):
-    from app.core.structured.grammar_compile import CompilePool
+    from app.structured.grammar_compile import CompilePool
     from app.errors import Overloaded
 
     compiled = []

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-import app.core.structured.grammars as grammars_module
-from app.core.structured.grammars import MAX_WHITESPACE, Grammars
+import app.structured.grammars as grammars_module
+from app.structured.grammars import MAX_WHITESPACE, Grammars
 
 KEYS = "key-of-tenant-a,key-of-tenant-b"
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}

@@ -11,9 +11,9 @@ import sys
 import httpx
 import pytest
 
-import app.core.structured.grammar_compile as grammar_compile
-from app.core.structured.grammars import Grammars
-from app.core.structured.schema_check import GrammarLimits
+import app.structured.grammar_compile as grammar_compile
+from app.structured.grammars import Grammars
+from app.structured.schema_check import GrammarLimits
 from app.errors import InvalidRequest
 
 # A worker that starts in tens of ms rather than seconds (the real one imports xgrammar and torch): it speaks the

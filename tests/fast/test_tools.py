@@ -380,7 +380,7 @@ def test_each_formats_forced_grammar_takes_its_calls_and_nothing_else(fmt):
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from app.core.structured.schema_check import GrammarLimits
+    from app.structured.schema_check import GrammarLimits
     from app.openai.structured import forced_tool_tag
     from app.openai.tools.wire import Tool
 

@@ -7,7 +7,7 @@ import json
 
 from benchmarks.grammar import SCHEMA, add_arguments, run, time_decode, time_engines
 from app.core.runner.packed import enable_packed_batching
-from app.core.structured.grammars import Grammars
+from app.structured.grammars import Grammars
 
 
 def test_engines_and_decode_figures(tiny_lm):

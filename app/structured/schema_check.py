@@ -6,7 +6,7 @@ repetition bounds (`(a|b){0,N}` grows with the square of N: 8.5 s at 5,000; nest
 add: 200 `[a-z]{0,1000}` in one pattern made a 26.9 MB grammar), many of them across the schema (20 properties of
 `(a|b){0,1000}` each: 6.6 s on Qwen's vocabulary), or large enums (20,000 strings: 9.0 s and a 135 MB grammar).
 Sizes add up over the whole schema (every tool's, for forced tool calls), so splitting a cost over many properties
-does not pass. Whatever passes still compiles under a deadline and a memory limit (app/core/structured/grammar_compile.py).
+does not pass. Whatever passes still compiles under a deadline and a memory limit (app/structured/grammar_compile.py).
 
 The walk takes any JSON value (and values JSON cannot carry, from a caller in Python: NaN, ints of 5,000 digits):
 a keyword of the wrong type is refused or left to the compiler, never an exception of its own (a `format` given as
@@ -54,7 +54,7 @@ class GrammarLimits:
     max_total_repeat: int = 4000  # the same, summed over every pattern and minItems / maxItems of the schema
     max_enum_values: int = 1000  # enum entries, summed over the schema
     max_literal_bytes: int = 32768  # enum and const values as JSON, summed over the schema
-    compile_timeout_s: float = 10.0  # past this the compile is killed (app/core/structured/grammar_compile.py)
+    compile_timeout_s: float = 10.0  # past this the compile is killed (app/structured/grammar_compile.py)
     workers: int = 1  # compile processes
     queue: int = 8  # compiles waiting for a worker beyond `workers`; past that, 429
     per_client: int = 2  # compiles running or waiting for any one client; past that, 429

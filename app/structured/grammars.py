@@ -3,8 +3,8 @@
 The grammar engine is xgrammar (chosen over llguidance by measurement on Qwen's 151,936-token vocabulary; figures
 in docs/tools-and-structured-outputs.md). `Grammars` compiles a JSON schema or a structural tag once per distinct
 spec (an LRU cache) against this model's tokenizer, in a worker process with a deadline
-(app/core/structured/grammar_compile.py), once app/core/structured/schema_check.py has refused what it would not enforce or what costs
-too much to compile. Compiles are queued per client and served in turn (app/core/structured/fair_queue.py), with at most
+(app/structured/grammar_compile.py), once app/structured/schema_check.py has refused what it would not enforce or what costs
+too much to compile. Compiles are queued per client and served in turn (app/structured/fair_queue.py), with at most
 `GrammarLimits.per_client` of one client's running or waiting, so one client's costly schemas delay only its own.
 `Grammar.matcher()` gives each sequence its own `GrammarMatcher`, which every step:
   1) writes the allowed tokens into a bitmask (one bit per token id) and applies it to that row's logits;
@@ -40,13 +40,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from app.core.structured.fair_queue import FairQueue
-from app.core.structured.grammar_compile import (CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout,
+from app.structured.fair_queue import FairQueue
+from app.structured.grammar_compile import (CompileFailed, CompileOutOfMemory, CompilePool, CompileTimeout,
                                                  WorkerFailed)
-from app.core.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
+from app.structured.schema_check import GrammarLimits, check_schema, pattern_repeat
 from app.errors import InvalidRequest, Overloaded, ServeError
 
-log = logging.getLogger("app.core.structured.grammars")
+log = logging.getLogger("app.structured.grammars")
 
 MAX_WHITESPACE = 4  # at most this many whitespace characters in a row between JSON tokens
 CACHE_SIZE = 128  # compiled grammars kept; a compiled JSON schema is tens of KB to a few MB
@@ -128,7 +128,7 @@ class Grammars:
     schema another tenant had used in a dict lookup, and a new one in tens of ms to seconds, so a tenant could tell
     by the latency which schemas others had sent. Each tenant's first use of a schema compiles it.
 
-    A compile runs in a worker process with a deadline (app/core/structured/grammar_compile.py), reached from this object's
+    A compile runs in a worker process with a deadline (app/structured/grammar_compile.py), reached from this object's
     own threads: never the event loop, nor the thread pool that tokenization uses. `json_schema_async` and
     `structural_tag_async` are for the event loop; the plain methods block (tests, benches). The first compile
     also builds the tokenizer's tables (about 1 s for Qwen's vocabulary) and starts a worker (about 3 s)."""

@@ -3,7 +3,7 @@ unbounded CPU or hold up anything but other compiles.
 
 xgrammar's compile time has no static bound worth the name. Measured here on Qwen2.5's 151,936-token vocabulary
 (AMD EPYC Zen 5): 1,000 required properties took 17 s, `anyOf` over 500 small objects 47 s, and the pattern
-`((a{0,30}){0,30}){0,30}` 53 s, each from a body of a few KB. app/core/structured/grammars.py refuses the known shapes
+`((a{0,30}){0,30}){0,30}` 53 s, each from a body of a few KB. app/structured/grammars.py refuses the known shapes
 (deep nesting, large repetition bounds) before any compile; this module bounds the rest in time. A thread cannot
 be stopped, but a process can: each compile runs in a child process that holds the tokenizer's tables, and past
 the deadline the child is killed (a new one starts for the next compile) and the caller gets `CompileTimeout`.
@@ -12,7 +12,7 @@ holds plus `memory_bytes`, so a compile that would grow past that (an enum of 20
 its allocation instead of pressing on the server; the child then exits, a new one takes the next compile, and the
 caller gets `CompileOutOfMemory`.
 
-The children are plain `python -m app.core.structured.grammar_compile` processes that speak length-prefixed frames over their
+The children are plain `python -m app.structured.grammar_compile` processes that speak length-prefixed frames over their
 stdin and stdout: the serialized `TokenizerInfo` once, then one request and one answer per compile. A compiled
 grammar travels back serialized (~20 KB to a few MB, 10-70 ms to deserialize for Qwen's vocabulary).
 """
@@ -34,7 +34,7 @@ _HEADER = struct.Struct("<Q")  # each frame: its length, then its bytes
 OK, FAILED, OUT_OF_MEMORY = b"\x00", b"\x01", b"\x02"
 NICENESS = 10  # added to the worker's nice value
 MEMORY_BYTES = 2**30  # address space a compile may add to what a ready worker holds
-WORKER_COMMAND = (sys.executable, "-m", "app.core.structured.grammar_compile")  # then the memory limit
+WORKER_COMMAND = (sys.executable, "-m", "app.structured.grammar_compile")  # then the memory limit
 
 
 class CompileTimeout(Exception):

@@ -1,6 +1,6 @@
 """A thread pool that serves its clients in turn, so that one client's many jobs never queue ahead of another's.
 
-Grammar compiles (app/core/structured/grammars.py) run here. A plain FIFO pool let one client that sent nine costly
+Grammar compiles (app/structured/grammars.py) run here. A plain FIFO pool let one client that sent nine costly
 schemas at once hold the only worker for all of them (121 s a round) while another client's compile of a few
 tens of ms waited behind: its answer took 57 s instead of 2.7 s. Here each client has its own queue, and a free
 worker takes the next job of the waiting client with the fewest jobs running, and among those the one served
