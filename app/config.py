@@ -129,6 +129,12 @@ class Settings(BaseSettings):
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget in bytes; suffixes K, M, G, "
                                        "Ki, Mi, Gi (default: GPU free memory after loading less 10% of the GPU; "
                                        "CPU: half the RAM available after loading)")
+    kv_cache_dtype: Literal["auto", "int8"] = Field("auto", description="auto: keys and values cached in the "
+                                                   "model's dtype; int8: 8 bits and a scale per token, head and 32 "
+                                                   "channels (llama.cpp's q8_0), 0.53x bf16's bytes, so the KV budget "
+                                                   "holds about twice the tokens; rounds what attention reads "
+                                                   "(its error is measured by the tests). Not with DECODE_STEP=compiled, tensor "
+                                                   "parallelism or a latent-attention (MLA) model")
     default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "
                                     "context left)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
@@ -270,6 +276,10 @@ class Settings(BaseSettings):
                              "may read from; set it, or LORA_RUNTIME_LOADING=false")
         if self.lora_adapter_root is not None and not self.lora_runtime_loading:
             raise ValueError("LORA_ADAPTER_ROOT applies only with LORA_RUNTIME_LOADING=true; set both or neither")
+        if self.kv_cache_dtype == "int8" and (self.decode_step == "compiled" or self.tensor_parallel > 1):
+            raise ValueError("KV_CACHE_DTYPE=int8 is kept by each request's own cache, which DECODE_STEP=compiled's "
+                             "pool and tensor parallelism's mirrored caches are not; set KV_CACHE_DTYPE=auto, or "
+                             "DECODE_STEP=eager and TENSOR_PARALLEL=1")
         if self.batch_invariant == "on" and self.decode_step == "compiled":  # before minutes of loading
             raise ValueError("BATCH_INVARIANT=on rules out DECODE_STEP=compiled, which runs decode rows in shapes "
                              "padded to the batch; set DECODE_STEP=eager or BATCH_INVARIANT=off")

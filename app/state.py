@@ -98,7 +98,7 @@ class ServerState:
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
                                          int4_wide_copy=s.int4_wide_copy, batch_invariant=s.batch_invariant,
-                                         decode_step=s.decode_step, lora=s.lora)
+                                         decode_step=s.decode_step, lora=s.lora, kv_cache_dtype=s.kv_cache_dtype)
             if self.kind == "embedding":
                 await self._load_embedding(loader)
             else:

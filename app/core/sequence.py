@@ -86,9 +86,9 @@ class Sequence:
     """Everything one request owns: its tokens, KV cache, random generator, detokenizer and stop state."""
 
     def __init__(self, model, tokenizer, prompt_ids: Seq[int], params: SamplingParams, eos_ids: Seq[int],
-                 max_context: int, max_new_tokens: int | None = None):
+                 max_context: int, max_new_tokens: int | None = None, kv_int8: bool = False):
         """`max_new_tokens`: what `check_request` returned for this request, where the caller (the engine, at
-        submit) has checked it already; None: check it here."""
+        submit) has checked it already; None: check it here. `kv_int8`: an 8-bit cache (KV_CACHE_DTYPE=int8)."""
         self.params = params
         self.max_new_tokens = (max_new_tokens if max_new_tokens is not None
                                else check_request(prompt_ids, params, model.config.vocab_size, max_context))
@@ -99,7 +99,7 @@ class Sequence:
         self.token_ids[0, : self.prompt_len] = torch.tensor(list(prompt_ids), device=device)
         self.length = self.prompt_len
         # its own KV cache, grown in place and never past the prompt + max_tokens the KV budget reserved
-        self.cache = KVStore(model.config, limit=self.token_ids.shape[1])
+        self.cache = KVStore(model.config, limit=self.token_ids.shape[1], int8=kv_int8)
         self.generator = make_generator(params.seed, device)
         self.eos_ids = frozenset(eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | special_stop_ids(tokenizer, params.stop)

@@ -62,6 +62,7 @@ class LoadedModel:
     weight_bytes: dict[str, int] = field(default_factory=dict)  # by format (app/models/weight_memory.py)
     batch_invariant: bool = False  # BATCH_INVARIANT resolved (app/models/invariance.py)
     invariance: str = "off: not loaded by load_model"  # why it is on or off
+    kv_int8: bool = False  # KV_CACHE_DTYPE=int8: each request's cache keeps 8-bit keys and values
     kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
     @property
@@ -168,7 +169,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
                tensor_parallel: int = 1, int4_wide_copy: bool = False,
                batch_invariant: str = "auto", decode_step: str = "eager",
-               lora: bool = False) -> LoadedModel | PoolingModel | CrossEncoderModel:
+               lora: bool = False, kv_cache_dtype: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py). `lora`: LoRA adapters will be served (BATCH_INVARIANT=auto weighs them)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -201,6 +202,9 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         config = AutoConfig.from_pretrained(source, **kwargs)
         if why := unservable(config):  # before minutes of loading weights it could not serve
             raise ConfigError(f"cannot serve {name_or_path!r}: {why}", param="model")
+        if kv_cache_dtype == "int8" and getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
+            raise ConfigError(f"KV_CACHE_DTYPE=int8 keeps keys and values per head; {name_or_path!r} caches a "
+                              "compressed latent (MLA); set KV_CACHE_DTYPE=auto", param="kv_cache_dtype")
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         drop_build_inputs(tokenizer)  # its Python vocabulary and merges: 64 MiB for Qwen2's (tokenizer_memory.py)
         if tensor_parallel > 1:
@@ -254,7 +258,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
-                       batch_invariant=invariant, invariance=invariance)
+                       batch_invariant=invariant, invariance=invariance, kv_int8=kv_cache_dtype == "int8")
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,

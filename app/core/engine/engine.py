@@ -217,7 +217,7 @@ class Engine:
                 self._sampling_pool.shutdown(wait=False)
 
     def _set_up_kv_budget(self) -> None:
-        self.kv_layout = KVLayout.from_config(self.lm.model.config, self.lm.dtype)
+        self.kv_layout = KVLayout.from_config(self.lm.model.config, self.lm.dtype, int8=self.lm.kv_int8)
         capacity = self.kv_cache_bytes if self.kv_cache_bytes is not None else default_kv_cache_bytes(self.lm.device)
         self.kv_budget = KVBudget(capacity)
         self.metrics.kv_cache_budget.set(capacity)

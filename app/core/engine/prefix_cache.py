@@ -44,7 +44,7 @@ from typing import Hashable, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from app.core.runner.kv_store import KVStore
+from app.core.runner.kv_store import KVStore, kv_cat, kv_nbytes, kv_stack
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a hit loses at most block_size - 1 tokens to rounding
 
@@ -69,7 +69,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return kv_nbytes(self.keys) + kv_nbytes(self.values)
 
 
 def keeps_all_keys(config) -> bool:
@@ -118,8 +118,8 @@ class PrefixCache:
     def load(self, blocks: list[Block], config, limit: int | None = None) -> KVStore:
         """A new KVStore (of at most `limit` tokens) holding a copy of `blocks`' keys and values: the request owns
         it, and writes its next tokens after them in place."""
-        keys = torch.cat([block.keys for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, key_dim]
-        values = torch.cat([block.values for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, value_dim]
+        keys = kv_cat([block.keys for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, key_dim]
+        values = kv_cat([block.values for block in blocks], dim=2)  # [layers, kv_heads, n_tokens, value_dim]
         return KVStore.holding([k[None] for k in keys], [v[None] for v in values], config, limit)
 
     def insert(self, token_ids: Sequence[int], cache: DynamicCache, salt: str | None = None) -> int:
@@ -135,9 +135,9 @@ class PrefixCache:
             key = (parent.id if parent else root(salt), tuple(token_ids[start : start + b]))
             block = self._blocks.get(key)
             if block is None:
-                keys = torch.stack([layer.keys[0, :, start : start + b] for layer in layers])
-                values = torch.stack([layer.values[0, :, start : start + b] for layer in layers])
-                if not self._make_room(sum(t.numel() * t.element_size() for t in (keys, values)), keep=path):
+                keys = kv_stack([layer.keys[0, :, start : start + b] for layer in layers])  # int8: codes, scales
+                values = kv_stack([layer.values[0, :, start : start + b] for layer in layers])
+                if not self._make_room(kv_nbytes(keys) + kv_nbytes(values), keep=path):
                     break
                 block = Block(self._next_id, key, parent, keys, values)
                 self._next_id += 1

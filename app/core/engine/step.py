@@ -189,7 +189,7 @@ class StepRunner:
         model cannot take, no memory for the cached prefix's copy), and only it ends."""
         try:
             seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
-                           self.lm.max_context, handle.max_new_tokens)  # checked once, at submit
+                           self.lm.max_context, handle.max_new_tokens, kv_int8=self.lm.kv_int8)  # checked at submit
             self._reuse_prefix(handle, seq)
         except Exception as err:  # noqa: BLE001 - one request's failure is its own
             self.fail([handle], err)

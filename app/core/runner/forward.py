@@ -7,7 +7,7 @@ its next tokens to feed: a prefill chunk, 1 to decode, or the newest token and k
   loop runs it (46.1 -> 42.3 ms a step for one int8 stream on 2 AVX2 cores against packing one row);
 - otherwise: all rows packed into one row of tokens, each row's keys and values landing in its own cache
   (app/core/runner/packed.py). On a CPU in half precision one row packs too: the packed pass's fp32 decode
-  matmuls beat SDPA there.
+  matmuls beat SDPA there; and so does a row with an 8-bit cache, whose decode reads it without a dense copy.
 
 `run_pass` is the one dispatcher: the compiled decode step where it takes the pass (app/core/runner/static_step.py,
 decode-only passes, DECODE_STEP=compiled), else `forward`. The engine's StepRunner and every tensor-parallel
@@ -54,7 +54,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     for seq, n in work:
         cached = seq.cache.get_seq_length()
         items.append((seq.token_ids[0, cached : cached + n], cached))  # ([n] token ids, first position)
-    if len(work) == 1 and not (engine_pass and packed and (invariant or decode_matmuls(device, model.dtype))):
+    int8 = getattr(work[0][0].cache, "int8", False)  # an 8-bit cache: one row packs too, to read it where it lies
+    if len(work) == 1 and not (engine_pass and packed and (invariant or int8 or decode_matmuls(device, model.dtype))):
         (seq, _), ((tokens, start),) = work[0], items  # the solo pass: the row's own cache, no mask to build
         inputs = {"input_ids": tokens[None, :], "cache": seq.cache,  # [1, n]
                   "position_ids": torch.arange(start, start + len(tokens), device=device)[None, :]}
@@ -67,7 +68,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         starts = [start for _, start in items] if invariant else None  # a row feeds its prompt below its length
         prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)] if invariant else None
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
-                                       latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill)
+                                       latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill,
+                                       views=model.config._attn_implementation == PACKED)
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's

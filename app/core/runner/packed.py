@@ -19,7 +19,8 @@ Two pieces make the HF model accept such a row without touching its code:
 The projections and MLPs see no padding at all. On a CPU in bf16/fp16 the decode rows take two fp32 matmuls each
 (`grouped_decode_attention`: far faster there than SDPA) over their own keys where they lie: each cache is a
 `KVStore` that grows in place (app/core/runner/kv_store.py), so a decode step copies no cache; it only casts each
-row's keys and values into one fp32 scratch that every layer reuses. Short rows (`PAD_UP_TO`), and every row in
+row's keys and values into one fp32 scratch that every layer reuses (an 8-bit cache, KV_CACHE_DTYPE=int8, is
+dequantized there instead: the same pass over half the bytes). Short rows (`PAD_UP_TO`), and every row in
 fp32 or on a GPU, share one call over their keys left-padded to one width, the padding masked out (SDPA: measured
 57-62 ms per batch-8 step, against 77 ms with one call per request). Each prefill chunk gets its own call, unpadded.
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it
@@ -48,6 +49,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from app.core.runner.kv_store import QuantizedKV
 from app.core.runner.pieces import Call, attend_in_calls, invariant_calls
 
 PACKED = "simple_serve_packed"
@@ -88,9 +90,11 @@ class PackedCaches:
 
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
                  windows: Sequence[int | None] | None = None, latent: bool = False,
-                 starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None):
+                 starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None, views: bool = False):
         """`starts` (each request's first absolute position) and `prefill` (whether it feeds prompt tokens): given
-        under BATCH_INVARIANT, whose attention calls they fix (app/core/runner/pieces.py)."""
+        under BATCH_INVARIANT, whose attention calls they fix (app/core/runner/pieces.py). `views`: attention is
+        `packed_attention`, which reads an 8-bit cache's decode rows where they lie (QuantizedKV); other calls get
+        dense keys and values."""
         self.caches = list(caches)
         self.latent = latent  # MLA: `update` joins the requests' latents; `lengths` says where to cut them again
         self.lengths: dict[int, list[int]] = {}
@@ -103,12 +107,15 @@ class PackedCaches:
         self._scratch: list[torch.Tensor | None] = [None, None]  # fp32 keys and values for decode rows (`fp32`)
         self.starts = list(starts) if starts is not None else None
         self.calls = invariant_calls(spans, self.starts, list(prefill)) if starts is not None else None
+        self.views = views and self.calls is None and not latent
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
         keys, values = [], []
         for cache, (start, end) in zip(self.caches, self.spans):
-            k, v = cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
+            views = self.views and end - start == 1 and hasattr(cache, "append")  # a decode row of a KVStore
+            k, v = (cache.append if views else cache.update)(key_states[:, :, start:end],
+                                                              value_states[:, :, start:end], layer_idx)
             keys.append(k)
             values.append(v)
         if self.latent:  # [1, 1, sum of cached lengths, latent or rotary size]: the model expands them itself
@@ -125,12 +132,14 @@ class PackedCaches:
         return (PerRequest(list(key.split(lengths, dim=-2)), self, window),
                 PerRequest(list(value.split(lengths, dim=-2)), self, window))
 
-    def fp32(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
-        """`tensor` [1, kv_heads, n, d] cast to fp32 in this pass's scratch `slot` (0 keys, 1 values), which every
-        layer and row reuses: a fresh tensor per layer and row cost its pages (measured ~10 ms a step at 4,096)."""
-        if self._scratch[slot] is None or self._scratch[slot].numel() < tensor.numel():
-            self._scratch[slot] = torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
-        return self._scratch[slot][: tensor.numel()].view(tensor.shape).copy_(tensor)
+    def fp32(self, tensor: torch.Tensor | QuantizedKV, slot: int) -> torch.Tensor:
+        """`tensor` [1, kv_heads, n, d] cast (or dequantized) to fp32 in this pass's scratch `slot` (0 keys, 1
+        values), which every layer and row reuses: a fresh tensor per layer and row cost its pages (measured ~10 ms
+        a step at 4,096)."""
+        numel = tensor.shape.numel()
+        if self._scratch[slot] is None or self._scratch[slot].numel() < numel:
+            self._scratch[slot] = torch.empty(numel, dtype=torch.float32, device=self.decode_rows.device)
+        return _write(self._scratch[slot][:numel].view(tensor.shape), tensor)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
@@ -202,7 +211,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     if step.decoding:
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
-        matmuls, scale = decode_matmuls(query.device, query.dtype), scaling or q.shape[-1] ** -0.5
+        # an 8-bit cache's rows take the fp32 matmuls whatever the dtype: they dequantize into the fp32 scratch
+        quantized = any(isinstance(key.tensors[i], QuantizedKV) for i in step.decoding)
+        matmuls, scale = decode_matmuls(query.device, query.dtype) or quantized, scaling or q.shape[-1] ** -0.5
         lengths = [key.tensors[i].shape[-2] for i in step.decoding]
         if matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
             for b, i in enumerate(step.decoding):
@@ -259,12 +270,19 @@ def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor],
     left (see `decode_mask`)."""
     width = max(k.shape[-2] for k in keys)
     _, heads, _, dim = keys[0].shape
-    k_out = keys[0].new_zeros(len(keys), heads, width, dim, dtype=dtype)
-    v_out = values[0].new_zeros(len(keys), heads, width, values[0].shape[-1], dtype=dtype)
+    device = (keys[0].codes if isinstance(keys[0], QuantizedKV) else keys[0]).device
+    k_out = torch.zeros(len(keys), heads, width, dim, dtype=dtype, device=device)
+    v_out = torch.zeros(len(keys), heads, width, values[0].shape[-1], dtype=dtype, device=device)
     for i, (k, v) in enumerate(zip(keys, values)):
         pad = width - k.shape[-2]
-        k_out[i, :, pad:], v_out[i, :, pad:] = k[0], v[0]
+        _write(k_out[i, :, pad:], k[0])
+        _write(v_out[i, :, pad:], v[0])
     return k_out, v_out
+
+
+def _write(out: torch.Tensor, source: torch.Tensor | QuantizedKV) -> torch.Tensor:
+    """`source`'s values into `out` (of its shape): copied, or dequantized from an 8-bit cache."""
+    return source.dequantize(out.dtype, out=out) if isinstance(source, QuantizedKV) else out.copy_(source)
 
 
 def packed_eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
