@@ -2,6 +2,12 @@
 meta device, each linear quantized as it arrives; with QUANT=int4, a linear stored in Q4_0, Q4_1 or Q4_K blocks
 keeps its own codes (app/models/gguf_blocks.py) instead of being dequantized and rounded to 4 bits again.
 
+QUANT=auto, the default, is for a GGUF file the setting that keeps each tensor's own bits (`own_bits_only`): a linear
+in 4-bit blocks keeps its codes as int4; one in 5-, 6- or 8-bit blocks (most of a "Q4_K_M" file: Q5_0, Q6_K, Q8_0) or
+in floats is dequantized and rounded to int8 per output channel, the nearest of our formats at or above its own
+bits, never down to 4. The file's quality at its size is what the user chose; QUANT=int4 still rounds every
+decoder linear to 4 bits, QUANT=none serves the dequantized floats.
+
 Every other tensor is dequantized by gguf's own numpy code, put back in the model's row order by transformers' own
 tensor processor (a LLaMA's q and k rows), cast to the load dtype and quantized (QUANT) as before. The start log
 says how many linears kept their own bits and which tensors were converted, by type and why.
@@ -32,7 +38,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none", dtype: torch.dtype | None = None,
-                quant_options: dict | None = None) -> nn.Module:
+                quant_options: dict | None = None, own_bits_only: bool = False) -> nn.Module:
     """`config`'s model with the weights of the GGUF file at `path`; with `quant`, each linear quantized as it
     arrives, a 4-bit block's linear from its own codes under QUANT=int4. Raises NotStreamable before reading any
     weight where the file's tensors do not match the model built from `config`."""
@@ -89,7 +95,7 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
                 continue
             if qtype.name not in FLOAT_TYPES:
                 converted[(qtype.name, _why_converted(module, linear_weight(name), quantizer, qtype, keep_whole,
-                                                      embedding))] += 1
+                                                      embedding, own_bits_only))] += 1
             values = processor.process(weights=dequantize(raw, qtype), name=entry.name).weights
             tensor = torch.from_numpy(np.ascontiguousarray(values).reshape(list(reversed(entry.shape.tolist()))))
             del raw, values
@@ -100,8 +106,8 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
                 quantize_table(model, quantizer)
                 embedding = keep_whole = None
             elif quantizer is not None and complete_linear(module) and module is not keep_whole:
-                parent, child = parents[id(module)]
-                setattr(parent, child, quantizer(module))
+                parent, child = parents[id(module)]  # QUANT=auto: never fewer bits than the file's (docstring)
+                setattr(parent, child, quantizer.int8(module) if own_bits_only else quantizer(module))
                 module.weight = None
             del module, tensor
             give_back_freed()
@@ -139,7 +145,7 @@ def _row_order(processor, gguf_name: str, rows: int) -> np.ndarray | None:
 
 
 def _why_converted(module: nn.Module, is_linear_weight: bool, quantizer: LinearQuantizer | None, qtype,
-                   keep_whole: nn.Module | None, embedding: nn.Module | None) -> str:
+                   keep_whole: nn.Module | None, embedding: nn.Module | None, own_bits_only: bool = False) -> str:
     if quantizer is None:
         return "dequantized to floats (QUANT=none)"
     if module is embedding or module is keep_whole:
@@ -152,6 +158,8 @@ def _why_converted(module: nn.Module, is_linear_weight: bool, quantizer: LinearQ
         return "QUANT=int8: dequantized, then int8"
     if qtype in OWN_BLOCK_TYPES:
         return f"input width not a multiple of {INT4_GROUP}: dequantized, then int8"
+    if own_bits_only:
+        return "more than 4 bits: dequantized, then int8 per output channel (QUANT=auto never rounds down to 4)"
     return "no 4-bit groups map its blocks yet: dequantized, then rounded to int4 groups"
 
 

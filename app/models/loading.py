@@ -32,7 +32,7 @@ from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_
                                 save_choice)
 from app.models.invariance import cannot_hold, make_linears_invariant, resolve_batch_invariant, invariant_splits
 from app.models.quant import dynamic_int8_supported, keep_own_copies
-from app.models.streamed_load import load_weights, locate
+from app.models.streamed_load import load_weights, locate, resolve_quant
 from app.models.tokenizer_memory import drop_build_inputs
 from app.models.weight_memory import describe, weight_bytes_by_format
 
@@ -177,6 +177,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
 
     prepack = prepack_mode(prepack)
     torch_device = resolve_device(device)
+    quant, own_bits = resolve_quant(quant, name_or_path, torch_device, tensor_parallel)
     if dtype == "auto" and (chosen := quant_auto_dtype(quant, torch_device)) is not None:
         torch_dtype, dtype_reason = chosen
     else:
@@ -216,7 +217,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                 source, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel), **kwargs)
         else:  # streamed where it can be, quantized as it loads (app/models/streamed_load.py)
             model = load_weights(source, kwargs, config, torch_device, torch_dtype, quant,
-                                 {"wide_copy": int4_wide_copy, "batch_invariant": invariant})
+                                 {"wide_copy": int4_wide_copy, "batch_invariant": invariant, "own_bits": own_bits})
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()

@@ -49,6 +49,7 @@ def load_weights(source: str, kwargs: dict[str, Any], config, device: torch.devi
     streamed where it can be, else through from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    own_bits = quant_options.pop("own_bits", False)  # QUANT=auto on a GGUF (app/models/gguf_load.py)
     load_dtype = load_dtype_for(config, dtype, quant)
     if load_dtype != dtype:
         log.info("loading in %s, the checkpoint's dtype: QUANT=%s quantizes the linears from it, so loading "
@@ -57,7 +58,8 @@ def load_weights(source: str, kwargs: dict[str, Any], config, device: torch.devi
     try:
         if kwargs.get("gguf_file") and device.type == "cpu":  # its own 4-bit blocks kept (app/models/gguf_load.py)
             from app.models.gguf_load import stream_gguf
-            model = stream_gguf(Path(source) / kwargs["gguf_file"], config, load_dtype, quant, dtype, quant_options)
+            model = stream_gguf(Path(source) / kwargs["gguf_file"], config, load_dtype, quant, dtype, quant_options,
+                                own_bits)
             log.info("weights streamed from the GGUF file, tensor by tensor%s",
                      f", each linear quantized as it arrived (QUANT={quant})" if quant != "none" else "")
             return model
@@ -68,9 +70,21 @@ def load_weights(source: str, kwargs: dict[str, Any], config, device: torch.devi
     except NotStreamable as why:
         log.info("weights loaded by from_pretrained, not streamed: %s", why)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=load_dtype, device_map=device, **kwargs)
-    if quant != "none":  # every linear, lm_head included
-        quantize_linears(model, quant, dtype=dtype, **quant_options)
+    if quant != "none":  # every linear, lm_head included; QUANT=auto's never below the file's bits: int8
+        quantize_linears(model, "int8" if own_bits else quant, dtype=dtype, **quant_options)
     return model
+
+
+def resolve_quant(quant: str, name_or_path: str, device: torch.device, tensor_parallel: int) -> tuple[str, bool]:
+    """QUANT=auto -> (the mode, whether a GGUF's tensors keep their own bits): a GGUF file served on a CPU by one
+    process keeps its 4-bit blocks as int4 and takes int8 for the rest (app/models/gguf_load.py), so the load is
+    QUANT=int4's with that one difference; anything else loads unquantized, as QUANT=none."""
+    if quant != "auto":
+        return quant, False
+    if Path(name_or_path).suffix == ".gguf" and device.type == "cpu" and tensor_parallel == 1:
+        log.info("QUANT=auto: a GGUF file keeps its own bits: 4-bit blocks as int4, 5- to 8-bit ones as int8")
+        return "int4", True
+    return "none", False
 
 
 def locate(name_or_path: str, cache_dir: Path) -> tuple[str, dict[str, Any]]:

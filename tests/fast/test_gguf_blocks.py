@@ -188,3 +188,46 @@ def test_smollm2s_gguf_served_from_its_own_q4_1_blocks_keeps_most_greedy_tokens_
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     print(f"greedy tokens agree on the first {agree} of {len(theirs)}")
     assert agree >= 16, (agree, ours, theirs)
+
+
+@needs_int4
+def test_quant_auto_keeps_each_tensors_own_bits_and_never_rounds_a_wider_block_down_to_4(tmp_path, caplog):
+    """QUANT=auto, the default, on a GGUF: 4-bit blocks kept as int4, 8-bit ones int8 (not rounded to 4 bits as
+    QUANT=int4 does), and the start log says which and why."""
+    from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+
+    model = build_tiny_model(400, arch="llama")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q4_1,
+                                  "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "output": T.Q4_0})
+    with caplog.at_level(logging.INFO, logger="app.models.gguf_load"):
+        served = stream_gguf(path, model.config, torch.float32, "int4", torch.float32, own_bits_only=True)
+    for name, module in served.named_modules():
+        if name.endswith(("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")):
+            assert isinstance(module, Int4Linear), name
+        if name.endswith(("v_proj", "down_proj")):  # Q8_0: eight bits stay eight
+            assert isinstance(module, (DynamicInt8Linear, WeightOnlyInt8Linear)), name
+    line = next(r.getMessage() for r in caplog.records if r.name == "app.models.gguf_load")
+    assert "kept their own 4-bit blocks (4 Q4_0, 6 Q4_1)" in line, line
+    assert "4 Q8_0: more than 4 bits: dequantized, then int8 per output channel" in line, line
+
+
+def test_quant_auto_means_own_bits_for_a_gguf_on_a_cpu_and_none_for_anything_else():
+    from app.config import Settings
+    from app.models.streamed_load import resolve_quant
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert Settings().quant == "auto"
+    assert resolve_quant("auto", "/models/qwen2.5-7b-instruct-q4_k_m.gguf", cpu, 1) == ("int4", True)
+    assert resolve_quant("auto", "/models/qwen2.5-7b-instruct-q4_k_m.gguf", gpu, 1) == ("none", False)
+    assert resolve_quant("auto", "/models/qwen2.5-7b-instruct-q4_k_m.gguf", cpu, 2) == ("none", False)
+    assert resolve_quant("auto", "Qwen/Qwen2.5-7B-Instruct", cpu, 1) == ("none", False)
+    assert resolve_quant("int4", "/models/x.gguf", cpu, 1) == ("int4", False)  # asked for: every linear in 4 bits
+
+
+def test_quant_auto_leaves_a_model_directory_unquantized(tiny_dir):
+    from app.models.loading import load_model
+
+    served = load_model(str(tiny_dir), device="cpu", dtype="float32", quant="auto")
+    assert served.weight_bytes.get("int4", 0) == 0 and served.weight_bytes.get("int8", 0) == 0
+    assert all(type(m) is nn.Linear for m in served.model.modules() if isinstance(m, nn.Linear))
