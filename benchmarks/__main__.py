@@ -19,20 +19,14 @@ COMMANDS = {  # command -> (module under benchmarks/, help)
     "shortcuts": ("shortcuts", "prefix cache and n-gram speculation, on against off"),
     "grammar": ("grammar", "structured output: engines and cost"),
     "tools": ("tools", "tool-call parsing: total and worst per token"),
-    "embed": ("embed", "embeddings/s: our server against sentence-transformers' encode, batch 1 and 32"),
-    "lora": ("lora", "a LoRA adapter against the base model: tokens/s at 1 and 8 streams, mixed batches too"),
     "scaling": ("scaling", "Qwen2.5 0.5B-7B shapes (random weights): ours at the defaults, int8 and int4 against "
                            "llama.cpp's Q4_K_M and Q8_0: tokens/s, TTFT, long-context decode, resident memory"),
-    "kernels": ("kernels", "one linear layer in each weight format (fp32, bf16, int8, int4): ms and error"),
+    "lora": ("lora", "a LoRA adapter against the base model: tokens/s at 1 and 8 streams, mixed batches too"),
     "step": ("step", "one decode step: eager against DECODE_STEP=compiled"),
     "batch": ("batch", "interactive first token and tokens/s alone and while a batch runs (Batches API)"),
-    "invariance": ("invariance", "the same prompts alone and amid others: identical tokens and logprobs? (--ops: "
-                                 "the first module that differs)"),
     "soak": ("soak", "a long mixed load, then checks that the server held up (exit 1 if not)"),
-    "routing": ("routing", "round-robin vs prefix-aware routing over N local replicas (stands in for the inference "
-                           "gateway)"),
-    "docs-figures": ("docs", "rewrite docs/' generated tables and draw its charts from docs/results/ and "
-                             "app/config.py"),
+    "docs-figures": ("docs", "rewrite the docs' generated tables and redraw their charts from docs/results/ "
+                             "and app/config.py"),
 }
 
 

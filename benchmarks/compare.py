@@ -11,7 +11,7 @@ and writes all figures as JSON. docs/performance.md's comparison tables come fro
 A server whose process dies (llama.cpp's native build died with SIGILL on an AMX VM) is marked crashed
 from then on: its column says so, it gets no ratio, and no figure of it is compared, since requests that failed
 fast would otherwise read as a win. Which llama.cpp build ran (native or portable, with its flags) is printed and
-recorded. `--prompt-lens` adds TTFT against prompt length on the same servers (benchmarks/prompt_lengths.py).
+recorded. TTFT against prompt length, ours and llama.cpp on the same servers, is `bench scaling`'s `--prompt-lens`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import prompt_lengths, record, serve as bench_serve
+from benchmarks import record, serve as bench_serve
 from app.config import DEFAULT_MODEL, Settings
 from benchmarks import llamacpp
 from benchmarks.processes import free_port, stop
@@ -61,10 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", default="0", help="0 (default): greedy; 'none': each server's model defaults")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="send ignore_eos, so every answer is max-tokens long (ours only: transformers rejects it)")
-    parser.add_argument("--prompt-lens", default="",
-                        help="comma-separated prompt lengths in tokens, e.g. 128,512,1200: after the scenarios, TTFT "
-                             "at each, 1 stream (default: off; llama.cpp's slots hold 2,048 tokens each)")
-    parser.add_argument("--prompt-len-requests", type=int, default=3, help="requests at each of --prompt-lens")
     parser.add_argument("--before", default=None, metavar="DIR",
                         help="also serve ours at the defaults from this checkout of an earlier commit (e.g. `git "
                              "worktree add DIR COMMIT`), as the server 'ours-before', to compare a change in one run")
@@ -128,18 +124,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.ignore_eos and any(k.startswith("transformers") for k in kinds):
         raise SystemExit("error: --ignore-eos: transformers serve rejects the ignore_eos field (HTTP 422); "
                          "compare with EOS honoured, or pass --servers ours")
-    lengths = prompt_lengths.parse(args.prompt_lens)
-    if args.prompt_len_requests < 1:
-        raise SystemExit("error: --prompt-len-requests: at least 1")
     model_dir = fetch_model(args.model, Settings().model_cache) if args.model in EMBEDDED else Path(args.model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"error: --model: {model_dir} is not a model directory (no config.json)")
     llama_server, gguf, kinds, llama_build = prepare_llamacpp(args, kinds)
     if not kinds:
         raise SystemExit("error: --servers: no server left to run")
-    if lengths:  # built before any server starts, so every server gets the same texts
-        count, counted_with = prompt_lengths.token_counter(model_dir)
-        length_prompts = prompt_lengths.build(lengths, args.prompt_len_requests, count)
     out = Path(args.out or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -174,8 +164,6 @@ def run(args: argparse.Namespace) -> dict:
                                                                         requests, seed=1000 * index,
                                                                         mixed=name == MIXED), crashed)
                 results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
-        if lengths:  # while every server is still up: no extra start
-            by_length = prompt_lengths.measure_all(procs, crashed, str(model_dir), args, length_prompts)
     finally:
         for proc, _ in procs.values():
             stop(proc)
@@ -185,14 +173,8 @@ def run(args: argparse.Namespace) -> dict:
         report["llama.cpp build"] = llama_build
     if before:
         report["ours-before"] = before
-    if lengths:
-        report["prompt_lens_counted_with"] = counted_with
-        report["ttft_by_prompt_len"] = by_length
-        report["ratios"]["ttft_vs_llamacpp_at_largest_prompt_len"] = prompt_lengths.vs_llamacpp(by_length)
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False))
     print_comparison(report)
-    if lengths:
-        prompt_lengths.print_table(report)
     if MIXED in results:
         print_mixed(results[MIXED])
     print(f"wrote {out}")

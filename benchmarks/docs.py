@@ -1,17 +1,20 @@
-"""`python -m benchmarks docs-figures` (`make docs-figures`): the generated parts of docs/, rewritten in place.
+"""`python -m benchmarks docs-figures` (`make docs-figures`): the generated parts of the docs, rewritten in place, and
+the charts, redrawn.
 
 A generated part sits between `<!-- figures:begin KIND [FILE ...] -->` and `<!-- figures:end -->` in a page; the
 text outside the markers is the authors'. KIND `settings` is the table of every field of `app.config.Settings`
-(so docs/configuration.md cannot drift from the code); the other kinds are benchmark tables made from the named
-JSON files under docs/results/ (benchmarks/figures.py, run_tables.py, and cited_tables.py for tables whose cells
-cite figures of several files). `--check` writes nothing and exits 1 naming each page that
-differs, which is what tests/fast/test_docs.py runs. Without `--check` the PNG charts are drawn too (matplotlib, from
-the `docs` extra).
+(so docs/configuration.md cannot drift from the code), `index` lists every file of docs/results/, and the other kinds
+are tables of the named result files (benchmarks/tables.py, by_class.py, models_table.py). A FILE may be a pattern
+(`scaling-zen4*.json`): the table takes whatever files match, and says so plainly when none does, so a run that lands
+in docs/results/ fills its table at the next `make docs-figures`. `--check` writes nothing and exits 1 naming each
+page that differs, which is what tests/fast/test_docs.py runs. Without `--check` the PNG charts are drawn too
+(matplotlib, from the `docs` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import typing
@@ -19,11 +22,13 @@ from pathlib import Path
 
 from app.config import Settings
 from app.flags import flag
-from benchmarks import charts, figures
-from benchmarks.cells import load
+from benchmarks import by_class, charts, models_table, tables
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MARKED = re.compile(r"(<!-- figures:begin (?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- figures:end -->)", re.S)
+FILE_TABLES = {"cited": None, "compare": tables.compare_table, "quality": tables.quality_table,
+               "shortcuts": tables.shortcuts_table, "floor": tables.floor_table,
+               "grammar-decode": tables.grammar_decode_table, "routing": tables.routing_table, **models_table.TABLES}
 
 
 def settings_table() -> str:
@@ -65,35 +70,60 @@ def default(field) -> str:
     return f"`{value}`"
 
 
+def matching(results: Path, pattern: str) -> list[str]:
+    return sorted(p.name for p in results.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+
+
+def index_table(results: Path) -> str:
+    """Every result file: its bench, date, CPU, commit and the command that wrote it."""
+    rows = []
+    for path in sorted(results.glob("*.json")):
+        r = json.loads(path.read_text())
+        commit = (r.get("versions") or {}).get("commit")
+        rows.append([f"[`{path.name}`](results/{path.name})", r["bench"], str(r.get("date") or "not recorded"),
+                     r["machine"]["cpu"], commit[:7] if commit else "-", r["source"].replace("|", "\\|")])
+    return tables.markdown(["file", "bench", "date", "CPU", "commit", "command"], rows)
+
+
 def generate(args: str, results: Path) -> str:
-    kind, *files = args.split()
+    kind, *names = args.split()
     if kind == "settings":
         return settings_table()
-    tables = figures.tables()
-    if kind not in tables:
-        raise ValueError(f"unknown figures kind {kind!r}; pick from settings, {', '.join(tables)}")
+    if kind == "index":
+        return index_table(results)
+    if kind == "class":
+        (pattern,) = names
+        return by_class.class_table(pattern, tables.load(results, matching(results, pattern)))
+    if kind == "summary":
+        return by_class.summary_table([(p, tables.load(results, matching(results, p))) for p in names])
+    if kind not in FILE_TABLES:
+        raise ValueError(f"unknown figures kind {kind!r}; pick from settings, index, class, summary, "
+                         f"{', '.join(FILE_TABLES)}")
+    runs = tables.load(results, [n for pattern in names for n in matching(results, pattern)])
     if kind == "cited":  # its cells read other files in the same results folder
-        return tables[kind](load(results, files), results)
-    return tables[kind](load(results, files))
+        return tables.cited_table(runs, results)
+    return FILE_TABLES[kind](runs)
 
 
 def rewrite(text: str, results: Path, links_from: str = "") -> str:
-    """`links_from`: where the page sits relative to docs/ ("" for docs/ itself, "docs/" for the README), so that
-    the links to each result file land."""
+    """`links_from`: where docs/ sits relative to the page ("" for docs/ itself, "docs/" for the README,
+    "../" for docs/results/), so that the links to each result file and to the performance page land."""
     def block(m) -> str:
-        table = generate(m["args"], results).rstrip("\n").replace("](results/", f"]({links_from}results/")
-        return m[1] + table + "\n" + m[4]
+        table = generate(m["args"], results).rstrip("\n")
+        for target in ("results/", "performance.md", "benchmarking.md"):
+            table = table.replace(f"]({target}", f"]({links_from}{target}")
+        return m[1] + table.replace("](../results/", "](") + "\n" + m[4]
 
     return MARKED.sub(block, text)
 
 
 def pages(docs: Path) -> list[Path]:
-    """Every page with generated blocks: docs/*.md and the README."""
-    return sorted(docs.glob("*.md")) + [docs.parent / "README.md"]
+    """Every page with generated blocks: docs/*.md, the results' index and the README."""
+    return sorted(docs.glob("*.md")) + [docs / "results" / "README.md", docs.parent / "README.md"]
 
 
 def links_from(page: Path) -> str:
-    return "docs/" if page.name == "README.md" else ""
+    return {"README.md": "docs/"}.get(page.name, "") if page.parent.name != "results" else "../"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -137,8 +137,8 @@ def _device(layer: nn.Module) -> torch.device:
 def _half_on_native_cpu(layer: nn.Module) -> bool:
     """A bf16/fp16 linear on a CPU that multiplies bf16 natively (AVX512_BF16, AMX): it runs in fixed tiles.
 
-    Why not whole calls there: on an AMX Xeon (16 threads, torch 2.11; `python -m benchmarks invariance --kernels`
-    through the device tool), oneDNN's packed bf16 kernel with batch hint 8 passed at 1 to 64 and 129 rows and
+    Why not whole calls there: on an AMX Xeon (16 threads, torch 2.11; the retired `benchmarks invariance
+    --kernels`, at deca0b0, through the device tool), oneDNN's packed bf16 kernel with batch hint 8 passed at 1 to 64 and 129 rows and
     differed at 65 and 200, and a served random-weight Qwen2.5-0.5B with whole calls still differed under load at
     layer 0's q_proj during a prefill (`--ops`). A check samples row counts; a call of exactly TILE_ROWS rows is
     the same call at every step, so checking each position of a tile covers every call there is. And a check of

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from app.models.cpu import cpu_features
 
-INT4_GROUP = 32  # a Q4_K sub-block's size; `python -m benchmarks kernels --group-sizes` measures the others
+INT4_GROUP = 32  # a Q4_K sub-block's size; the retired `benchmarks kernels --group-sizes` (at deca0b0) measured others
 
 
 def int4_weight(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

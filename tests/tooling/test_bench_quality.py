@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks import figures, quality
+from benchmarks import quality, tables
 
 
 def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, capsys):
@@ -28,5 +28,5 @@ def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, ca
     # the JSON says where and how it ran, and the docs' table generator reads it as it is
     assert report["bench"] == "quality" and report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
     assert report["versions"]["torch"] and report["date"].endswith("Z") and report["settings"]["max_tokens"] == 6
-    table = figures.quality_table([("quality.json", report)])
+    table = tables.quality_table([("quality.json", report)])
     assert f"| bf16 | {variants['bf16']['perplexity']:.3f} | {variants['bf16']['vs_fp32']:+.2%} |" in table
