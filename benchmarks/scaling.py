@@ -57,7 +57,9 @@ SHAPES = {
 OURS = {"ours": "none", "ours-int8": "int8", "ours-int4": "int4", "ours-int4-copy": "int4"}  # -> QUANT, dtype=auto
 # int4 with its opt-in bf16 copy for calls of many rows (only where the CPU multiplies bf16 natively): the option that
 # trades the memory int4 saves for prefill speed, measured beside the others. Not in the default --servers.
-OUR_ENV = {"ours-int4-copy": {"INT4_WIDE_COPY": "true"}}
+# ours-kv8: the defaults with the 8-bit KV cache, for its long-context decode and memory beside the bf16 cache's.
+OURS["ours-kv8"] = "none"
+OUR_ENV = {"ours-int4-copy": {"INT4_WIDE_COPY": "true"}, "ours-kv8": {"KV_CACHE_DTYPE": "int8"}}
 LLAMACPP = {"llama.cpp-Q4_K_M": "Q4_K_M", "llama.cpp-Q8_0": "Q8_0"}
 SERVERS = (*OURS, *LLAMACPP)
 DEFAULT_SERVERS = tuple(name for name in SERVERS if name not in OUR_ENV)
@@ -260,7 +262,8 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         for index, count in enumerate([] if args.load_only else streams):
             r = bench_serve.measure(load(concurrency=count, requests=args.requests, seed=1000 * (index + 1)))
             figures[f"{count} streams"] = {"tokens_per_s": r["output_tokens_per_s"]["aggregate"],
-                                           "ttft_p50_s": r["ttft_s"]["p50"], "requests": r["requests"]}
+                                           "ttft_p50_s": r["ttft_s"]["p50"], "requests": r["requests"],
+                                           "itl_p50_s": r["itl_per_token_s"]["p50"]}  # 1 stream: the short decode
         count_tokens, _ = prompt_lengths.token_counter(model_dir)
         prompts = prompt_lengths.build(lengths, args.ttft_requests, count_tokens)
         for length, texts in ({} if args.load_only else prompts).items():
@@ -287,9 +290,19 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         stop(proc)
 
 
+def long_context_ratio(figures: dict) -> float | None:
+    """Decode tokens/s at --long-context ÷ at the short prompt, both one stream (the reciprocals of their
+    inter-token p50s): 1.0 where a long context costs nothing more per token."""
+    long = next((v["tokens_per_s"] for k, v in figures.items() if k.startswith("decode at")), None)
+    short = figures.get("1 streams", {}).get("itl_p50_s")
+    return long * short if long and short else None
+
+
 def print_table(report: dict) -> None:
-    print(f"\n{'size':<6}{'server':<18}{'RSS MiB':>9}{'tok/s 1':>9}{'tok/s N':>9}{'TTFT short':>12}{'TTFT long':>11}"
-          f"{'decode long':>13}")
+    """Per server: resident memory after one answer and the peak (VmHWM, reached while loading), speeds, and the
+    long-context decode ÷ the short one."""
+    print(f"\n{'size':<6}{'server':<18}{'RSS MiB':>9}{'peak MiB':>10}{'tok/s 1':>9}{'tok/s N':>9}{'TTFT short':>12}"
+          f"{'TTFT long':>11}{'decode long':>13}{'long/short':>12}")
     for size, entry in report["sizes"].items():
         for name, r in entry["servers"].items():
             if "crashed" in r or "skipped" in r:
@@ -299,7 +312,10 @@ def print_table(report: dict) -> None:
             ttfts = [v["ttft_p50_s"] for k, v in r.items() if k.startswith("idle TTFT")]
             decode = next((v["tokens_per_s"] for k, v in r.items() if k.startswith("decode at")), None)
             cell = lambda v, scale=1.0, f="{:.1f}": "-" if v is None else f.format(v * scale)  # noqa: E731
+            memory = r.get("memory_at_end") or r["memory_after_first_request"]
             print(f"{size:<6}{name:<18}{cell(r['memory_after_first_request'].get('rss'), 2**-20, '{:,.0f}'):>9}"
+                  f"{cell(memory.get('peak'), 2**-20, '{:,.0f}'):>10}"
                   f"{cell(rates[0] if rates else None):>9}{cell(rates[-1] if rates else None):>9}"
                   f"{cell(ttfts[0] if ttfts else None, 1e3, '{:.0f} ms'):>12}"
-                  f"{cell(ttfts[-1] if ttfts else None, 1e3, '{:.0f} ms'):>11}{cell(decode):>13}")
+                  f"{cell(ttfts[-1] if ttfts else None, 1e3, '{:.0f} ms'):>11}{cell(decode):>13}"
+                  f"{cell(long_context_ratio(r), f='{:.2f}x'):>12}")

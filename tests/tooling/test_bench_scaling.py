@@ -16,6 +16,7 @@ import torch
 
 from app.config import Settings
 from app.models.cpu import auto_dtype
+from benchmarks import scaling
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS_ENV = {name.upper() for name in Settings.model_fields}
@@ -34,7 +35,7 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
     out = tmp_path / "scaling.json"
     earlier = {"parameters": 494032768, "shape": {}, "servers": {"ours": {"skipped": "an earlier run's entry"}}}
     out.write_text(json.dumps({"date": "2026-12-04T19:50:58Z", "sizes": {"0.5B": earlier, "tiny": earlier}}))
-    done = bench("--sizes", "tiny", "--servers", "ours,ours-int8,ours-int4", "--tokenizer", str(tokenizer),
+    done = bench("--sizes", "tiny", "--servers", "ours,ours-int8,ours-int4,ours-kv8", "--tokenizer", str(tokenizer),
                  "--work-dir", str(tmp_path / "work"), "--streams", "1,2", "--requests", "2", "--max-tokens", "6",
                  "--prompt-len", "20", "--prompt-lens", "16,160", "--ttft-requests", "1", "--long-context", "240",
                  "--out", str(out), "--resume", cwd=tmp_path)
@@ -47,7 +48,7 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
     tiny = report["sizes"]["tiny"]
     assert tiny["shape"]["hidden_size"] == 64 and tiny["parameters"] > 0
     defaults = {torch.float32: "fp32", torch.bfloat16: "bf16"}[auto_dtype(torch.device("cpu"))[0]]  # the CPU's own
-    formats = {"ours": defaults, "ours-int8": "int8", "ours-int4": "int4"}
+    formats = {"ours": defaults, "ours-int8": "int8", "ours-int4": "int4", "ours-kv8": defaults}
     for name, r in tiny["servers"].items():
         for scenario, requests in (("1 streams", 2), ("2 streams", 2), ("idle TTFT at 16 tokens", 1),
                                    ("idle TTFT at 160 tokens", 1), ("decode at 240 tokens of context", 1)):
@@ -58,9 +59,12 @@ def test_scaling_serves_a_tiny_shape_at_each_setting_and_records_memory(tmp_path
         assert memory["rss"] >= memory["anon"] > 0 and memory["file"] >= 0
         assert r["memory_at_end"]["peak"] >= r["memory_at_end"]["rss"] > 0
         assert r["weight_bytes"][formats[name]] > 0, (name, r["weight_bytes"])
+        assert scaling.long_context_ratio(r) == pytest.approx(  # long-context decode ÷ the 1-stream decode
+            r["decode at 240 tokens of context"]["tokens_per_s"] * r["1 streams"]["itl_p50_s"])
     quantized = tiny["servers"]["ours-int4"]["weight_bytes"]
     assert quantized["total"] < tiny["servers"]["ours"]["weight_bytes"]["total"]
-    assert "ours-int4" in done.stdout and "RSS MiB" in done.stdout
+    assert "ours-int4" in done.stdout and "RSS MiB" in done.stdout and "peak MiB" in done.stdout
+    assert "long/short" in done.stdout and "ours-kv8" in done.stdout
     from benchmarks import by_class, charts
 
     results = tmp_path / "results"  # as docs/results/ names a class's run: the class's table and chart take it
