@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    parser.add_argument("--text", default=str(TEXT), help="the perplexity text (default: benchmarks/data/quality.txt, "
+                        "short: a longer one resolves smaller differences)")
     parser.add_argument("--kv-cache", action="store_true", help="also each variant's perplexity as served, with "
                         "its own cache and with KV_CACHE_DTYPE=int8")
     parser.add_argument("--kv-chunk", type=int, default=16, help="tokens per pass with --kv-cache")
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         return load_model(settings.model, "cpu", dtype, settings.model_cache, prepack="auto", quant=quant)
 
     lm = load("float32", "none")
-    text_ids = lm.encode_text(TEXT.read_text())
+    text_ids = lm.encode_text(Path(args.text).read_text())
     prompts = [lm.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     ref = evaluate(lm, text_ids, prompts, None, args.max_tokens, args.window)
     report = {**record.envelope("quality", args), "model": settings.model, "text_tokens": len(text_ids),
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_report(r: dict) -> None:
-    print(f"model {r['model']}: perplexity over {r['text_tokens']} tokens of benchmarks/data/quality.txt; greedy "
+    print(f"model {r['model']}: perplexity over {r['text_tokens']} tokens of {r['settings']['text']}; greedy "
           f"agreement with fp32 over {len(PROMPTS)} prompts x {r['max_tokens']} tokens")
     ref = r["variants"]["fp32 (reference)"]["perplexity"]
     print(f"{'variant':26}{'perplexity':>12}{'vs fp32':>9}{'top-1 agreement':>17}  identical greedy tokens")

@@ -1,4 +1,4 @@
-"""KV_CACHE_DTYPE=int8 (app/core/runner/kv_store.py's Int8Layer): half the KV bytes, what it rounds and how far, and
+"""KV_CACHE_DTYPE=int8 (app/core/runner/kv_store.py's Int8Layer): 0.58x bf16's KV bytes, what it rounds and how far, and
 that it keeps the server's promises: a prefix cache hit equals the cold run, BATCH_INVARIANT still holds, the KV
 budget admits the tokens it saves, and the settings it cannot serve are refused at start."""
 
@@ -13,7 +13,7 @@ import torch
 from app.config import Settings
 from app.core.engine.kv_budget import KVLayout
 from app.core.runner.forward import forward
-from app.core.runner.kv_store import GROUP, Int8Layer, KVStore, QuantizedKV, quantize_kv
+from app.core.runner.kv_store import KEY_GROUP, VALUE_GROUP, Int8Layer, KVStore, QuantizedKV, quantize_kv
 from app.core.sampling import SamplingParams
 from app.core.sequence import Sequence
 from app.errors import ConfigError
@@ -25,41 +25,44 @@ def int8(lm):
     return dataclasses.replace(lm, kv_int8=True)
 
 
-@pytest.mark.parametrize("dim", [64, 16])  # groups of 32 channels; a narrower head: one scale per token and head
-def test_each_value_is_within_half_a_step_of_its_group(dim):
+@pytest.mark.parametrize("dim, group", [(64, VALUE_GROUP), (64, KEY_GROUP), (16, 32), (12, 8)])  # no multiple: 1
+def test_each_value_is_within_half_a_step_of_its_group(dim, group):
     x = torch.randn(1, 2, 50, dim) * torch.logspace(-3, 2, 50)[None, None, :, None]  # tokens of very different size
-    q = quantize_kv(x)
+    q = quantize_kv(x, group)
     assert q.codes.dtype == torch.int8 and q.scales.dtype == torch.float16
-    assert q.scales.shape == (1, 2, 50, dim // GROUP if dim % GROUP == 0 else 1)
+    assert q.scales.shape == (1, 2, 50, dim // group if dim % group == 0 else 1)
     step = q.scales.float().repeat_interleave(dim // q.scales.shape[-1], dim=-1)
     err = (q.dequantize(torch.float32) - x).abs()
     assert (err <= step / 2 * (1 + 1e-3)).all()  # round to nearest on the scale as stored
-    assert torch.equal(quantize_kv(torch.zeros(1, 1, 3, dim)).dequantize(torch.float32), torch.zeros(1, 1, 3, dim))
+    assert torch.equal(quantize_kv(torch.zeros(1, 1, 3, dim), group).dequantize(torch.float32),
+                       torch.zeros(1, 1, 3, dim))
 
 
 def test_a_layer_appends_codes_in_place_and_hands_attention_its_rounded_values():
     layer, x = Int8Layer(), torch.randn(1, 2, 300, 64)
     dense, _ = layer.update(x[:, :, :10], -x[:, :, :10])  # a prefill: dense values, the model's dtype
-    assert dense.dtype == torch.float32 and torch.equal(dense, quantize_kv(x[:, :, :10]).dequantize(torch.float32))
+    assert dense.dtype == torch.float32
+    assert torch.equal(dense, quantize_kv(x[:, :, :10], KEY_GROUP).dequantize(torch.float32))
     for t in range(10, 300):  # decode rows: views of the codes where they lie
         keys, values = layer.append(x[:, :, t : t + 1], -x[:, :, t : t + 1])
     assert isinstance(keys, QuantizedKV) and keys.shape == (1, 2, 300, 64)
-    assert torch.equal(keys.dequantize(torch.float32), quantize_kv(x).dequantize(torch.float32))
-    assert torch.equal(values.codes, -keys.codes)
+    assert torch.equal(keys.dequantize(torch.float32), quantize_kv(x, KEY_GROUP).dequantize(torch.float32))
+    assert torch.equal(values.dequantize(torch.float32), -quantize_kv(x, VALUE_GROUP).dequantize(torch.float32))
+    assert keys.scales.shape[-1] == 64 // KEY_GROUP and values.scales.shape[-1] == 64 // VALUE_GROUP
     layer.crop(-5)
     assert layer.get_seq_length() == 295 and layer.keys.shape[-2] == 295 and layer.grows == 2  # 256, then 300+
 
 
 def test_the_kv_budget_counts_about_half_the_bytes_and_the_store_holds_what_it_counts(tiny_lm):
-    config = tiny_lm.model.config  # 2 layers, 2 KV heads of 16 channels: one fp16 scale each per token
+    config = tiny_lm.model.config  # 2 layers, 2 KV heads of 16 channels: keys 2 scales, values 1, per token
     bf16, eight = KVLayout.from_config(config, torch.bfloat16), KVLayout.from_config(config, torch.bfloat16, True)
-    assert bf16.bytes_per_token == 2 * 2 * 2 * 16 * 2 and eight.bytes_per_token == 2 * 2 * 2 * (16 + 2)
+    assert bf16.bytes_per_token == 2 * 2 * 2 * 16 * 2 and eight.bytes_per_token == 2 * 2 * (16 + 16 + 2 * (2 + 1))
     from transformers import Qwen2Config
 
     qwen = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)  # 0.5B
     ratio = KVLayout.from_config(qwen, torch.bfloat16, True).bytes_per_token / KVLayout.from_config(
         qwen, torch.bfloat16).bytes_per_token
-    assert ratio == pytest.approx(34 / 64)  # q8_0's 34 bytes per 32 values against bf16's 64
+    assert ratio == pytest.approx((80 + 68) / 256)  # keys 10 bytes per 8, values 34 per 32, against bf16's 2 a value
     seq = Sequence(tiny_lm.model, tiny_lm.tokenizer, list(range(5, 45)), SamplingParams(max_tokens=1),
                    tiny_lm.eos_ids, tiny_lm.max_context, kv_int8=True)
     forward(tiny_lm.model, [(seq, 40)])

@@ -25,7 +25,7 @@ import psutil
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from app.core.runner.kv_store import GROUP
+from app.core.runner.kv_store import KEY_GROUP, VALUE_GROUP, scales_per_token
 from app.core.runner.packed import latent_kv
 from app.errors import InvalidRequest
 
@@ -46,7 +46,7 @@ class KVLayout:
         """Read from the model config the way transformers builds a DynamicCache from it: head_dim when the config
         gives one (it need not be hidden_size / heads), KV heads for grouped-query attention, and each layer's kind
         (sliding windows and chunked attention keep at most their window; layers that reuse another's KV keep none).
-        `int8` (KV_CACHE_DTYPE=int8): a full-attention layer keeps a byte per value and an fp16 scale per 32
+        `int8` (KV_CACHE_DTYPE=int8): a full-attention layer keeps a byte per value and an fp16 scale per group
         (app/core/runner/kv_store.py); a sliding one stays in `dtype`."""
         text = config.get_text_config(decoder=True)
         latent = latent_kv(text)
@@ -59,7 +59,8 @@ class KVLayout:
             head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
             per_token = 0 if layer_type == "dummy" else 2 * kv_heads * head_dim * dtype.itemsize
             if int8 and layer_type == "full_attention":
-                per_token = 2 * kv_heads * (head_dim + 2 * (head_dim // GROUP if head_dim % GROUP == 0 else 1))
+                scales = scales_per_token(head_dim, KEY_GROUP) + scales_per_token(head_dim, VALUE_GROUP)
+                per_token = kv_heads * (2 * head_dim + 2 * scales)  # a byte a value, 2 bytes a scale
             if latent is not None:  # MLA caches one latent and one rotary key (app/core/runner/packed.py)
                 per_token = sum(latent) * dtype.itemsize
             layers.append((per_token, kwargs.get("sliding_window")))
