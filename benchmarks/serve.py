@@ -169,10 +169,9 @@ async def _read_sse(resp: httpx.Response, res: Result) -> dict:
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, body: dict | bytes, stream: bool,
-                       timeout: float | None = None, res: Result | None = None) -> Result:
-    """`timeout` overrides the client's for this request (the soak's impatient clients). `res`: a Result the caller
-    watches while the request runs (the burst scenario waits for its background streams to be decoding)."""
-    res = res or Result(t_start=time.perf_counter())
+                       timeout: float | None = None) -> Result:
+    """`timeout` overrides the client's for this request (the soak's impatient clients)."""
+    res = Result(t_start=time.perf_counter())
     extra = {} if timeout is None else {"timeout": timeout}
     try:
         async with client.stream("POST", url, **request_kwargs(body), **extra) as resp:
@@ -273,79 +272,6 @@ async def _run_async(args, prompts: list[str], max_tokens: list[int] | None = No
         return list(results), time.perf_counter() - t0
 
 
-async def _burst_async(args, idle: list[str], background: list[str], burst: list[str]) -> dict:
-    """Idle first tokens (one request at a time), then `background` streams decoding, then `burst` requests at
-    once: their first tokens, and the gaps between the background streams' tokens while the burst prefills."""
-    url, temperature = chat_url(args), parse_temperature(getattr(args, "temperature", "0"))
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    connections = len(background) + len(burst) + 1
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), headers=headers, limits=limits) as client:
-        idle_results = [await _one_request(client, url, chat_request(args, p, args.max_tokens, temperature), True)
-                        for p in idle]
-        watched = [Result(t_start=time.perf_counter()) for _ in background]
-        streams = [asyncio.create_task(_one_request(client, url, chat_request(args, p, args.background_tokens,
-                                                                              temperature), True, res=r))
-                   for p, r in zip(background, watched)]
-        deadline = time.perf_counter() + args.timeout
-        # every background stream is decoding (all their prefills are done), then a few steady gaps between their
-        # tokens to compare with
-        async def until(ready) -> None:
-            while not all(ready(r) or r.t_end for r in watched) and time.perf_counter() < deadline:
-                await asyncio.sleep(0.01)
-
-        await until(lambda r: r.chunk_times)
-        t_steady = time.perf_counter()
-        await until(lambda r: sum(t > t_steady for t in r.chunk_times) >= 4)
-        t_burst = time.perf_counter()
-        burst_results = await asyncio.gather(*(
-            _one_request(client, url, chat_request(args, p, args.max_tokens, temperature), True) for p in burst))
-        t_prefilled = max((r.chunk_times[0] for r in burst_results if r.chunk_times), default=t_burst)
-        for task in streams:
-            task.cancel()  # they only had to be running while the burst came in
-        await asyncio.gather(*streams, return_exceptions=True)
-    first = lambda rs: [r.chunk_times[0] - r.t_start for r in rs if r.error is None and r.chunk_times]  # noqa: E731
-    gaps_in = [b - a for r in watched for a, b in zip(r.chunk_times, r.chunk_times[1:]) if t_burst < b <= t_prefilled]
-    gaps_before = [b - a for r in watched for a, b in zip(r.chunk_times, r.chunk_times[1:]) if t_steady <= a and b <= t_burst]
-    idle_ttft, burst_ttft = _stats(first(idle_results)), _stats(first(burst_results))
-    return {"idle_ttft_s": idle_ttft, "burst_ttft_s": burst_ttft,
-            "burst_over_idle_p50": (burst_ttft["p50"] / idle_ttft["p50"]
-                                    if burst_ttft["p50"] and idle_ttft["p50"] else None),
-            "burst_prefill_s": t_prefilled - t_burst,
-            "background_gap_during_burst_s": _stats(gaps_in), "background_gap_before_s": _stats(gaps_before),
-            "errors": [r.error for r in idle_results + burst_results if r.error][:5],
-            "background_errors": [r.error for r in watched if r.error and not r.error.startswith("CancelledError")][:5]}
-
-
-def measure_burst(args) -> dict:
-    """The burst scenario: each prompt opens with its own request number, so no two share a cached prefix."""
-    def prompts(kind: str, count: int, offset: int) -> list[str]:
-        return [f"{kind} request {i}. " + build_prompt(args.prompt_len, args.seed + offset + i) for i in range(count)]
-
-    idle = prompts("Idle", args.burst, 1000)
-    background, burst = prompts("Background", args.background, 2000), prompts("Burst", args.burst, 3000)
-    result = asyncio.run(_burst_async(args, idle, background, burst))
-    result["config"] = {k: getattr(args, k, None) for k in ("url", "model", "burst", "background", "background_tokens",
-                                                           "prompt_len", "max_tokens", "seed", "temperature")}
-    return result
-
-
-def print_burst(r: dict) -> None:
-    c = r["config"]
-    ms = lambda v: _fmt(v, " ms", 1e3)  # noqa: E731
-    print(f"\nbench serve --burst {c['burst']}: {c['model']} @ {c['url']}  prompt~{c['prompt_len']}  "
-          f"{c['background']} background streams")
-    print(f"  TTFT idle p50 / p90                  {ms(r['idle_ttft_s']['p50'])} / {ms(r['idle_ttft_s']['p90'])}")
-    print(f"  TTFT in the burst p50 / p90          {ms(r['burst_ttft_s']['p50'])} / {ms(r['burst_ttft_s']['p90'])}"
-          f"   ({_fmt(r['burst_over_idle_p50'], 'x')} idle at p50)")
-    print(f"  burst's prefill (first to last TTFT)  {_fmt(r['burst_prefill_s'], ' s')}")
-    for name, key in (("before the burst", "background_gap_before_s"), ("during its prefill", "background_gap_during_burst_s")):
-        g = r[key]
-        print(f"  background token gap {name:<19s} p50 {ms(g['p50'])}  p99 {ms(g['p99'])}  (n={g['n']})")
-    for msg in r["errors"] + r["background_errors"]:
-        print(f"  error: {msg}")
-
-
 def parse_temperature(value: str | float | None) -> float | None:
     """`none` leaves temperature out of the request, so the server samples with the model's own defaults."""
     if value is None or str(value).lower() == "none":
@@ -402,25 +328,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"mixed workload: each prompt {MIXED_PROMPT_LENS[0]}-{MIXED_PROMPT_LENS[1]} tokens and "
                              f"each answer up to {MIXED_MAX_TOKENS[1]} tokens, drawn per request from --seed "
                              "(ignores --prompt-len and --max-tokens)")
-    parser.add_argument("--burst", type=int, default=0, metavar="N",
-                        help="burst scenario: N requests one at a time (idle), then N at once while --background "
-                             "streams decode; reports both TTFTs and the background streams' token gaps (streams)")
-    parser.add_argument("--background", type=int, default=4, help="with --burst: streams already decoding")
-    parser.add_argument("--background-tokens", type=int, default=1000,
-                        help="with --burst: max_tokens of a background stream (it is cancelled after the burst)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer for exact prompt lengths (optional)")
     parser.add_argument("--out", default=None, help="JSON path (default bench-results/serve-<timestamp>.json)")
 
 
 def run(args) -> dict:
     """Run the benchmark described by parsed `args`; print a table, write JSON, return the result."""
-    if args.burst:
-        args.stream = True  # first tokens need a stream
-    result = measure_burst(args) if args.burst else measure(args)
+    result = measure(args)
     out = Path(args.out or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
-    (print_burst if args.burst else print_table)(result)
+    print_table(result)
     print(f"  wrote {out}")
     return result
 

@@ -215,27 +215,3 @@ def test_mixed_workload_sends_the_same_mixed_prompts_and_answer_lengths_for_a_se
     assert all(100 <= p < 1700 for p in prompts) and max(prompts) - min(prompts) > 100
     assert res["config"]["mixed"] is True and res["ttft_s"]["p90"] is not None
     assert state["max_inflight"] <= 4
-
-
-def test_burst_scenario_measures_idle_and_burst_first_tokens_beside_running_streams(fake, tmp_path, capsys):
-    url, state = fake
-    # 32 tokens: a burst request streams for 0.32 s at least, so its four overlap even when a loaded machine sends
-    # them tens of ms apart (with 8, 80 ms, one had ended before the last began on a busy 2-core machine)
-    res = _bench(url, tmp_path, "--burst", "4", "--background", "2", "--background-tokens", "400",
-                 "--max-tokens", "32")
-    bodies = state["bodies"]
-    assert len(bodies) == 4 + 2 + 4 and all(b["stream"] for b in bodies)
-    idle, background, burst = bodies[:4], bodies[4:6], bodies[6:]
-    assert [b["max_tokens"] for b in background] == [400, 400] and all(b["max_tokens"] == 32 for b in idle + burst)
-    prompts = [b["messages"][0]["content"] for b in bodies]
-    assert len({p.split(".")[0] for p in prompts}) == 10  # each opens with its own number: no shared cached prefix
-    # the idle ones went one at a time, the burst all at once beside the two background streams
-    assert state["max_inflight"] == 2 + 4
-    assert res["idle_ttft_s"]["n"] == 4 and res["burst_ttft_s"]["n"] == 4
-    assert res["idle_ttft_s"]["p50"] >= DELAY and res["burst_over_idle_p50"] > 0
-    # the background streams were decoding before and while the burst came in, and their gaps are the fake's delay
-    assert res["background_gap_before_s"]["n"] > 0 and res["background_gap_during_burst_s"]["n"] > 0
-    assert res["background_gap_during_burst_s"]["p50"] >= DELAY * 0.5
-    assert res["errors"] == [] and res["background_errors"] == []
-    out = capsys.readouterr().out
-    assert "TTFT in the burst p50 / p90" in out and json.loads((tmp_path / "out.json").read_text())["config"]["burst"] == 4
