@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.tables import CLASSES, SERVERS, markdown, mib, ms, provenance, rate
 
-ORDER = ["ours", "ours-int8", "ours-int4", "ours-int4-copy", "llama.cpp-Q8_0", "llama.cpp-Q4_K_M"]
+ORDER = ["ours", "ours-int8", "ours-int4", "ours-int4-copy", "ours-kv8", "ours-gguf", "llama.cpp-Q8_0", "llama.cpp-Q4_K_M"]
 
 
 @dataclass

@@ -61,8 +61,11 @@ OURS = {"ours": "none", "ours-int8": "int8", "ours-int4": "int4", "ours-int4-cop
 OURS["ours-kv8"] = "none"
 OUR_ENV = {"ours-int4-copy": {"INT4_WIDE_COPY": "true"}, "ours-kv8": {"KV_CACHE_DTYPE": "int8"}}
 LLAMACPP = {"llama.cpp-Q4_K_M": "Q4_K_M", "llama.cpp-Q8_0": "Q8_0"}
-SERVERS = (*OURS, *LLAMACPP)
-DEFAULT_SERVERS = tuple(name for name in SERVERS if name not in OUR_ENV)
+# ours-gguf: ours serving llama.cpp's own Q4_K_M file of the same weights, at the defaults (QUANT=auto keeps the
+# file's bits): the load a user who brings a GGUF gets, beside llama.cpp's on the same file.
+GGUF_OURS = {"ours-gguf": "Q4_K_M"}
+SERVERS = (*OURS, *GGUF_OURS, *LLAMACPP)
+DEFAULT_SERVERS = tuple(name for name in SERVERS if name not in OUR_ENV and name not in GGUF_OURS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,16 +120,17 @@ def run(args: argparse.Namespace) -> dict:
         earlier = json.loads(out.read_text())
         report["sizes"] = {size: {"date": earlier["date"], **entry} for size, entry in earlier["sizes"].items()
                            if size not in sizes}
-    peer = prepare_llamacpp(settings.model_cache, [s for s in servers if s in LLAMACPP])
+    peer = prepare_llamacpp(settings.model_cache, [s for s in servers if s in LLAMACPP or s in GGUF_OURS])
     if peer.get("build"):
         report["llama.cpp build"] = peer["build"]
     for size in sizes:
         began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         model_dir = write_checkpoint(size, work / size, tokenizer)
-        ggufs = {name: gguf_file(model_dir, quant, peer) for name, quant in LLAMACPP.items() if name in servers}
+        ggufs = {name: gguf_file(model_dir, quant, peer) for name, quant in {**LLAMACPP, **GGUF_OURS}.items()
+                 if name in servers}
         results = {}
         for name in servers:
-            if name in LLAMACPP and ggufs.get(name) is None:
+            if (name in LLAMACPP or name in GGUF_OURS) and ggufs.get(name) is None:
                 results[name] = {"skipped": peer.get("why", "no llama.cpp build")}
                 continue
             print(f"{size}: {name} ...", flush=True)
@@ -212,9 +216,10 @@ def gguf_file(model_dir: Path, quant: str, peer: dict) -> Path | None:
 
 def server_command(name: str, model_dir: Path, gguf: Path | None, llama_server: Path | None, port: int,
                    args: argparse.Namespace, streams: list[int]) -> list[str]:
-    if name in OURS:
-        return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port), "--device",
-                "cpu", "--dtype", "auto", "--quant", OURS[name], "--served-model-name", str(model_dir)]
+    if name in OURS or name in GGUF_OURS:
+        model, quant = (str(gguf), "auto") if name in GGUF_OURS else (str(model_dir), OURS[name])
+        return [sys.executable, "-m", "app", "serve", "--model", model, "--port", str(port), "--device",
+                "cpu", "--dtype", "auto", "--quant", quant, "--served-model-name", str(model_dir)]
     context = max(args.long_context, *prompt_lengths.parse(args.prompt_lens)) + args.max_tokens + 512
     return llamacpp.server_command(llama_server, gguf, port, parallel=max(streams), context_per_slot=context)
 
@@ -252,7 +257,8 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         "seed": 0, "tokenizer": None, "temperature": 0.0, "mixed": False, **kw})
     try:
         try:
-            wait_ready(url, "/ready" if name in OURS else "/health", proc, args.ready_timeout, log)
+            ours = name in OURS or name in GGUF_OURS
+            wait_ready(url, "/ready" if ours else "/health", proc, args.ready_timeout, log)
         except ServerCrashed as err:
             return {"crashed": str(err)}
         ready_s = time.perf_counter() - started
@@ -281,7 +287,7 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         figures["memory_at_end"] = resident(proc.pid)
         if proc.poll() is not None:
             return {"crashed": f"crashed during the run ({llamacpp.describe_exit(proc.returncode)}); see {log}"}
-        if name in OURS:  # what the server says its weights hold, by format (app/models/weight_memory.py)
+        if ours:  # what the server says its weights hold, by format (app/models/weight_memory.py)
             import httpx
 
             figures["weight_bytes"] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0].get("weight_bytes")

@@ -20,7 +20,8 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 SERVERS = {"ours": "simple-serve, defaults", "ours-int8": "simple-serve, `QUANT=int8`",
            "ours-int4": "simple-serve, `QUANT=int4`", "ours-int4-copy": "simple-serve, `QUANT=int4` + `INT4_WIDE_COPY`",
            "ours-compiled": "simple-serve, `DECODE_STEP=compiled`", "ours-before": "simple-serve, an earlier commit",
-           "ours-invariant": "simple-serve, `BATCH_INVARIANT=on`", "ours-variant": "simple-serve, `BATCH_INVARIANT=off`",
+           "ours-invariant": "simple-serve, `BATCH_INVARIANT=on`", "ours-kv8": "simple-serve, `KV_CACHE_DTYPE=int8`",
+           "ours-gguf": "simple-serve, the Q4_K_M file (`QUANT=auto`)", "ours-variant": "simple-serve, `BATCH_INVARIANT=off`",
            "llama.cpp": "llama.cpp `llama-server`", "llama.cpp-Q4_K_M": "llama.cpp, Q4_K_M",
            "llama.cpp-Q8_0": "llama.cpp, Q8_0", "transformers": "`transformers serve`",
            "transformers-cb": "`transformers serve --continuous-batching`"}
@@ -136,6 +137,39 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
                          "" if agreement is None else f"{agreement:.1%}",
                          "" if prefix is None else ", ".join(map(str, prefix))])
     head = ["variant", "perplexity", "vs fp32", "top-1 agreement", "identical greedy tokens (of 64, per prompt)"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+def kv_quality_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench quality --kv-cache`: each variant's perplexity as served with its own cache and with the 8-bit one."""
+    rows = []
+    for _, r in runs:
+        for name, v in r["variants"].items():
+            if served := v.get("served"):
+                rows.append([name, f"{r['text_tokens']:,}", str(served["chunk"]), f"{served['perplexity']:.3f}",
+                             f"{served['perplexity_kv_int8']:.3f}", f"{served['kv_int8_vs_cache']:+.2%}"])
+    head = ["weights", "text tokens", "tokens a pass", "perplexity, its own cache", "`KV_CACHE_DTYPE=int8`",
+            "difference"]
+    return markdown(head, rows) + "\n\n" + provenance(runs)
+
+
+def long_context_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench scaling`: each server's one-stream decode at the short prompt and at --long-context (reciprocals of
+    their inter-token p50s), the ratio, and the memory beside them."""
+    rows = []
+    for _, r in runs:
+        for size, entry in r["sizes"].items():
+            for name, f in entry["servers"].items():
+                long = next(((k, v) for k, v in f.items() if k.startswith("decode at")), None)
+                itl = (f.get("1 streams") or {}).get("itl_p50_s")
+                if long is None or not itl or not long[1]["tokens_per_s"]:
+                    continue
+                memory = f.get("memory_at_end") or f["memory_after_first_request"]
+                rows.append([size, SERVERS.get(name, name), rate(1 / itl), rate(long[1]["tokens_per_s"]),
+                             f"{long[1]['tokens_per_s'] * itl:.2f}x", mib(memory.get("rss")),
+                             mib(memory.get("peak"))])
+    head = ["model size", "setting", "decode tok/s, short prompt", "decode tok/s, long context", "long ÷ short",
+            "resident at the end", "peak"]
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 

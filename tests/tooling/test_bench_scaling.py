@@ -89,6 +89,9 @@ def test_llamacpp_gets_room_for_the_longest_context_and_bad_sizes_are_named(tmp_
     assert slots == 8 and context // slots >= 4096 + 64
     ours = scaling.server_command("ours-int4", tmp_path, None, None, 8001, args, [1, 8])
     assert ours[ours.index("--quant") + 1] == "int4" and ours[ours.index("--dtype") + 1] == "auto"
+    gguf = scaling.server_command("ours-gguf", tmp_path, tmp_path / "m.gguf", None, 8001, args, [1, 8])
+    assert gguf[gguf.index("--model") + 1] == str(tmp_path / "m.gguf")  # llama.cpp's own file, its bits kept
+    assert gguf[gguf.index("--quant") + 1] == "auto" and "ours-gguf" not in scaling.DEFAULT_SERVERS
     with pytest.raises(SystemExit, match="--sizes: unknown 13B"):
         scaling.parse_list("0.5B,13B", scaling.SHAPES, "--sizes")
 
