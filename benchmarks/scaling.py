@@ -37,6 +37,7 @@ from app.models.fetch import fetch_model
 from benchmarks import llamacpp, prompt_lengths, record, serve as bench_serve
 from benchmarks.compare import ServerCrashed, wait_ready
 from benchmarks.processes import free_port, stop
+from benchmarks.tables import long_context_ratio
 
 QWEN25 = {"max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
           "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
@@ -294,14 +295,6 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         return figures
     finally:
         stop(proc)
-
-
-def long_context_ratio(figures: dict) -> float | None:
-    """Decode tokens/s at --long-context ÷ at the short prompt, both one stream (the reciprocals of their
-    inter-token p50s): 1.0 where a long context costs nothing more per token."""
-    long = next((v["tokens_per_s"] for k, v in figures.items() if k.startswith("decode at")), None)
-    short = figures.get("1 streams", {}).get("itl_p50_s")
-    return long * short if long and short else None
 
 
 def print_table(report: dict) -> None:

@@ -153,6 +153,14 @@ def kv_quality_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
+def long_context_ratio(figures: dict) -> float | None:
+    """A `bench scaling` server's decode tokens/s at --long-context ÷ at the short prompt, both one stream (the
+    reciprocals of their inter-token p50s): 1.0 where a long context costs nothing more per token."""
+    long = next((v["tokens_per_s"] for k, v in figures.items() if k.startswith("decode at")), None)
+    short = figures.get("1 streams", {}).get("itl_p50_s")
+    return long * short if long and short else None
+
+
 def long_context_table(runs: list[tuple[str, dict]]) -> str:
     """`bench scaling`: each server's one-stream decode at the short prompt and at --long-context (reciprocals of
     their inter-token p50s), the ratio, and the memory beside them."""
@@ -160,14 +168,12 @@ def long_context_table(runs: list[tuple[str, dict]]) -> str:
     for _, r in runs:
         for size, entry in r["sizes"].items():
             for name, f in entry["servers"].items():
-                long = next(((k, v) for k, v in f.items() if k.startswith("decode at")), None)
-                itl = (f.get("1 streams") or {}).get("itl_p50_s")
-                if long is None or not itl or not long[1]["tokens_per_s"]:
+                if (ratio := long_context_ratio(f)) is None:
                     continue
+                itl = f["1 streams"]["itl_p50_s"]
                 memory = f.get("memory_at_end") or f["memory_after_first_request"]
-                rows.append([size, SERVERS.get(name, name), rate(1 / itl), rate(long[1]["tokens_per_s"]),
-                             f"{long[1]['tokens_per_s'] * itl:.2f}x", mib(memory.get("rss")),
-                             mib(memory.get("peak"))])
+                rows.append([size, SERVERS.get(name, name), rate(1 / itl), rate(ratio / itl), f"{ratio:.2f}x",
+                             mib(memory.get("rss")), mib(memory.get("peak"))])
     head = ["model size", "setting", "decode tok/s, short prompt", "decode tok/s, long context", "long ÷ short",
             "resident at the end", "peak"]
     return markdown(head, rows) + "\n\n" + provenance(runs)
