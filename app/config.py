@@ -143,6 +143,9 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "
                                     "context left)")
     max_request_bytes: int = Field(1_048_576, ge=1024, description="largest accepted request body")
+    max_vision_request_bytes: int = Field(32 * 2**20, ge=1024, description="largest request body when the model "
+                                          "takes images, whose data URLs travel in the body (a text model keeps "
+                                          "MAX_REQUEST_BYTES)")
     max_json_depth: int = Field(128, ge=8, description="deepest nesting of arrays and objects in a request body "
                                 "(400 past it, before the body is parsed)")
     max_messages: int = Field(2048, ge=1, description="messages in a request (Responses: `input` items); 400 past "
@@ -150,6 +153,22 @@ class Settings(BaseSettings):
     max_content_blocks: int = Field(8192, ge=1, description="content blocks and tool calls in all of a request's "
                                     "messages together (400 past it, before validation)")
     max_tools: int = Field(128, ge=1, description="tools in a request (400 past it, before validation)")
+    max_images_per_request: int = Field(8, ge=0, description="images in one request, all messages together (400 "
+                                        "past it; 0: images refused)")
+    max_image_bytes: int = Field(10 * 2**20, ge=1024, description="encoded bytes of one image, after base64 "
+                                 "decoding or as fetched (400 past it, checked before decoding); suffixes as "
+                                 "KV_CACHE_BYTES. A data URL also counts toward MAX_VISION_REQUEST_BYTES")
+    max_image_pixels: int = Field(16 * 2**20, ge=1, le=2**27, description="width x height of one image, read from "
+                                  "its header before any pixel is decoded (400 past it); at most 2^27, below "
+                                  "Pillow's own decompression-bomb guard")
+    max_image_tokens: int = Field(16384, ge=1, description="tokens the images of one request become, all together "
+                                  "(400 past it, before the model runs)")
+    image_url_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts (comma-separated, exact names) whose http(s) image URLs the "
+        "server fetches, redirects included; empty: remote image URLs are refused and only data URLs are read "
+        "(a server that fetches any URL is a way into its own network)")
+    image_url_timeout_s: float = Field(10.0, gt=0, description="longest one image fetch may take, redirects and "
+                                       "body included (400 past it)")
     tool_call_parser: Literal["auto", "hermes", "json", "llama3_json", "pythonic", "mistral", "deepseek_v3",
                               "granite", "phi4_mini", "qwen3_coder", "harmony"] = Field(
         "auto", description="how tool calls are read from the model's text (docs/tools-and-structured-outputs.md); "
@@ -249,6 +268,19 @@ class Settings(BaseSettings):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
 
+    @field_validator("image_url_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        # IMAGE_URL_HOSTS="images.example.com,cdn.example.com": host names as a URL's host part reads (lower case)
+        hosts = [host.strip().lower() for host in value.split(",")] if isinstance(value, str) else value
+        if isinstance(hosts, list):
+            for host in filter(None, hosts):
+                if not isinstance(host, str) or "/" in host or host.count(":") == 1:
+                    raise ValueError(f"{host!r} is not a host name; IMAGE_URL_HOSTS takes names such as "
+                                     "images.example.com, without scheme, path or port")
+            return [host.strip("[]") for host in hosts if host]
+        return value
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _split_lora_modules(cls, value: object) -> object:
@@ -306,7 +338,7 @@ class Settings(BaseSettings):
         return slots if len(set(split_keys(self.api_key))) <= 1 else max(1, slots // 2)
 
     @field_validator("kv_cache_bytes", "prefix_cache_bytes", "grammar_compile_memory_bytes", "batch_max_file_bytes",
-                     "batch_max_stored_bytes_per_key", mode="before")
+                     "batch_max_stored_bytes_per_key", "max_image_bytes", "max_vision_request_bytes", mode="before")
     @classmethod
     def _parse_bytes(cls, value: object) -> object:
         # KV_CACHE_BYTES=8GiB reads better than 8589934592.

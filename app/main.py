@@ -184,7 +184,9 @@ class AccessAndLimits:
         upload_path = scope.get("path") == "/v1/files" and scope.get("method") == "POST"
         uploads = upload_path and self.state.batch_store is not None
         settings = self.state.settings
-        limit = settings.batch_max_file_bytes + ENVELOPE_BYTES if uploads else settings.max_request_bytes
+        limit = (settings.batch_max_file_bytes + ENVELOPE_BYTES if uploads
+                 else settings.max_vision_request_bytes if getattr(self.state.lm, "vision", None) is not None
+                 else settings.max_request_bytes)
         started = time.perf_counter()
         status = {"code": 500}
         headers = dict(scope.get("headers", []))
