@@ -19,8 +19,11 @@ parameters, grammar, engine and parsers serve it. The mapping:
     A model that does not think accepts `thinking` and ignores it (vLLM ignores it for every model): agents such as
     Claude Code send it by default, and a 400 would stop them.
 
-What cannot be honoured gets a 400 that says why: images and documents (the model reads text only), Anthropic's
-server-side tools (web search, code execution: nothing here runs them), `mcp_servers`.
+  * `image` blocks of a user turn -> image parts of its message, in order with its text (`source` base64 -> a
+    `data:` URL, `url` -> the URL as it is), each named by its client's path (`messages.0.content.1.source`).
+
+What cannot be honoured gets a 400 that says why: images for a model that reads text only, images outside user
+turns, documents, Anthropic's server-side tools (web search, code execution: nothing here runs them), `mcp_servers`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from app.core.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from app.errors import InvalidRequest
+from app.openai.content_parts import ImageUrlPart, TextPart, image_part
 from app.openai.protocol import ChatCompletionRequest
 
 # Our own sampling extras a Messages request may carry too (vLLM accepts the same extras on every API).
@@ -40,6 +44,7 @@ PASS_THROUGH = ("seed", "min_p", "repetition_penalty", "presence_penalty", "freq
 # Where a chat parameter came from, so that a 400 names the field the client actually sent.
 CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                           "max_reasoning_tokens": "thinking.budget_tokens"}
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what Anthropic's `image` blocks may hold
 _STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 StopSequences = Annotated[list[str] | None, WithJsonSchema({"anyOf": [
     {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]})]
@@ -216,23 +221,31 @@ def blocks(content: str | list) -> list:
 
 
 def user_turn(content: list, where: str) -> list[dict[str, Any]]:
-    """A user turn: its text as a user message, each tool result as a `tool` message, in the order given."""
+    """A user turn: its text and images as a user message, each tool result as a `tool` message, in the order
+    given. Text blocks side by side are joined by a blank line; with images, the message's content is its parts."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[TextPart | ImageUrlPart] = []
 
     def flush() -> None:
-        if texts:
-            out.append({"role": "user", "content": "\n\n".join(texts)})
-            texts.clear()
+        if any(isinstance(part, ImageUrlPart) for part in parts):
+            out.append({"role": "user", "content": list(parts)})
+        elif parts:
+            out.append({"role": "user", "content": parts[0].text})
+        parts.clear()
 
     for j, block in enumerate(content):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            if parts and isinstance(parts[-1], TextPart):
+                parts[-1] = TextPart(type="text", text=f"{parts[-1].text}\n\n{block.text}")
+            else:
+                parts.append(TextPart(type="text", text=block.text))
+        elif isinstance(block, ImageBlock):
+            parts.append(image_part(image_url(block, f"{where}.{j}.source"), f"{where}.{j}.source"))
         elif isinstance(block, ToolResultBlock):
             flush()
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": tool_result_text(block, f"{where}.{j}.content")})
-        elif isinstance(block, (ImageBlock, DocumentBlock)):
+        elif isinstance(block, DocumentBlock):
             raise text_only(block.type, f"{where}.{j}")
         else:
             raise InvalidRequest(f"a user message cannot hold a {block.type!r} block (it belongs to the assistant)",
@@ -252,7 +265,9 @@ def assistant_turn(content: list, where: str) -> list[dict[str, Any]]:
                           "function": {"name": block.name, "arguments": tool_input_json(block, f"{where}.{j}.input")}})
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
-        elif isinstance(block, (ImageBlock, DocumentBlock)):
+        elif isinstance(block, ImageBlock):
+            raise InvalidRequest("only user turns may hold images", param=f"{where}.{j}.source")
+        elif isinstance(block, DocumentBlock):
             raise text_only(block.type, f"{where}.{j}")
         elif isinstance(block, ToolResultBlock):
             raise InvalidRequest("a tool_result block belongs in a user message", param=f"{where}.{j}.type")
@@ -263,6 +278,25 @@ def assistant_turn(content: list, where: str) -> list[dict[str, Any]]:
     if thoughts:
         message["reasoning_content"] = "\n\n".join(thoughts)
     return [message]
+
+
+def image_url(block: ImageBlock, where: str) -> str:
+    """An `image` block's source as the URL a chat image part carries: base64 data as a `data:` URL."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind = source.get("type")
+    if kind == "base64":
+        if source.get("media_type") not in MEDIA_TYPES:
+            raise InvalidRequest(f"{where}.media_type must be one of {', '.join(MEDIA_TYPES)}",
+                                 param=f"{where}.media_type")
+        if not isinstance(data := source.get("data"), str) or not data:
+            raise InvalidRequest(f"{where}.data must be the image's bytes in base64", param=f"{where}.data")
+        return f"data:{source['media_type']};base64,{data}"
+    if kind == "url":
+        if not isinstance(url := source.get("url"), str) or not url:
+            raise InvalidRequest(f"{where}.url must be the image's URL", param=f"{where}.url")
+        return url
+    raise InvalidRequest(f"{where}.type must be \"base64\" or \"url\" (files are not served as images here)",
+                         param=f"{where}.type")
 
 
 def tool_input_json(block: ToolUseBlock, where: str) -> str:
@@ -278,6 +312,9 @@ def tool_input_json(block: ToolUseBlock, where: str) -> str:
 def tool_result_text(block: ToolResultBlock, where: str) -> str:
     parts = blocks(block.content) if block.content is not None else []
     for j, part in enumerate(parts):
+        if isinstance(part, ImageBlock):  # a chat `tool` message holds text alone
+            raise InvalidRequest("images in a tool_result are not supported; send the image as an `image` block of "
+                                 "the user turn", param=f"{where}.{j}")
         if not isinstance(part, TextBlock):
             raise text_only(part.type, f"{where}.{j}")
     text = "\n\n".join(part.text for part in parts)
@@ -285,7 +322,7 @@ def tool_result_text(block: ToolResultBlock, where: str) -> str:
 
 
 def text_only(kind: str, where: str) -> InvalidRequest:
-    return InvalidRequest(f"{kind} blocks are not supported: this model takes text only", param=where)
+    return InvalidRequest(f"{kind} blocks are not supported: this server reads text and images only", param=where)
 
 
 def chat_tool(tool: ToolDefinition, i: int) -> dict[str, Any]:

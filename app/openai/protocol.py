@@ -11,13 +11,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, WrapValidator, field_validator
 
 from app.errors import InvalidRequest
 from app.models.chat_template import RESERVED_TEMPLATE_ARGS
 from app.core.sampling import (MAX_INSPECT, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
                                resolve_sampling_params)
+from app.openai.content_parts import (ContentPart, ImageUrl, ImageUrlPart, TextPart, WithImages,  # noqa: F401
+                                      checked_content, message_images, template_content)  # (ImageUrl: re-exported)
 from app.openai.reasoning import TEMPLATE_EFFORT, ReasoningFormat
 from app.openai.tools.wire import ToolCall, ToolFields, template_tool_calls
 
@@ -32,15 +34,11 @@ LogitBiasField = Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [
      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}]})]
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # text, or parts: text and images (app/openai/content_parts.py); a list is validated alone, so errors name the part
+    content: Annotated[str | list[ContentPart] | None, WrapValidator(checked_content)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: which call this answers
@@ -49,8 +47,9 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
 
     def text(self) -> str:
+        """The message's text alone, without its images."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 
@@ -217,11 +216,15 @@ def engine_cache_salt(tenant: str | None, salt: str | None) -> str | None:
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Wire messages -> what the chat template renders; chat completions and /tokenize share it, so /tokenize
-    counts exactly the prompt a completion would get."""
+    counts exactly the prompt a completion would get. A message with images gets the multimodal template's content
+    list (text and `{"type": "image"}` in order); every other message keeps its text as one string."""
+    message_images(messages)  # only user messages may hold images: a 400 naming the field for any other
     out = []
     for i, m in enumerate(messages):
+        has_images = isinstance(m.content, list) and any(isinstance(p, ImageUrlPart) for p in m.content)
+        content = template_content(m.content) if has_images else m.text()
         # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.role == "assistant" and (m.reasoning_content or m.reasoning):
             message["reasoning_content"] = m.reasoning_content or m.reasoning
         if m.tool_calls:
@@ -232,7 +235,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class ChatCompletionRequest(_SamplingFields, ToolFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields, WithImages):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -336,13 +339,13 @@ class CompletionRequest(_SamplingFields):
         return prompt
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(WithImages):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages or [])
 
 

@@ -3,18 +3,21 @@
 Each item is validated on its own against its model, so that a malformed one is a 400 naming its field
 (`input.2.content.0.text`), never a TypeError deep in the conversion (`{"type": "reasoning", "content": 5}`
 was a 500). A message item may leave out `type` (OpenAI's easy input message); `content` and a function call's
-`output` may be a string or a list of text parts; an earlier answer's `reasoning` item is kept for the assistant turn
-it belongs to.
+`output` may be a string or a list of text parts, and a message's content may hold `input_image` parts too (each
+becomes a chat image part named `input.{i}.content.{j}.image_url`); an earlier answer's `reasoning` item is kept for
+the assistant turn it belongs to.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from app.errors import InvalidRequest
+from app.openai.content_parts import Detail, ImageUrlPart, TextPart as ChatTextPart, image_part
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # output_text: the text of an earlier answer
 
@@ -38,13 +41,30 @@ class TextPart(BaseModel):
     @classmethod
     def _text_only(cls, kind: str) -> str:
         if kind not in TEXT_PARTS:
-            raise PydanticCustomError("unsupported_part", "content parts of type {kind!r} are not supported: this "
-                                      "model reads text only", {"kind": kind})
+            raise PydanticCustomError("unsupported_part", "content parts of type '{kind}' are not supported: text "
+                                      "parts are, and input_image in a message", {"kind": kind})
         return kind
 
 
-# a string, or text parts: one list, so that an error's location names the field and not a branch of a union
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data: URL, or an http(s) URL on a host IMAGE_URL_HOSTS names
+    file_id: str | None = None  # refused: files are not served as images here
+    detail: Detail = "auto"
+
+
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "image_part" if kind == "input_image" else "text_part"  # any other type: TextPart says what is wrong
+
+
+PART_TAGS = ("text_part", "image_part")  # left out of an error's location, which names the client's own fields
+# a string, or parts: one list, so that an error's location names the field and not a branch of a union
 Content = Annotated[list[TextPart], BeforeValidator(_as_parts)]
+MessagePart = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
+                        Discriminator(_part_kind)]
+MessageContent = Annotated[list[MessagePart], BeforeValidator(_as_parts)]
 
 
 class _Item(BaseModel):
@@ -54,10 +74,24 @@ class _Item(BaseModel):
 class MessageItem(_Item):
     type: Literal["message"]
     role: Literal["user", "system", "developer", "assistant"]
-    content: Content
+    content: MessageContent
 
-    def text(self) -> str:
-        return "".join(part.text for part in self.content)
+    def chat_content(self, i: int) -> str | list:
+        """The chat message's content: its text, or its parts in order where it holds images."""
+        if not any(isinstance(part, ImagePart) for part in self.content):
+            return "".join(part.text for part in self.content)
+        return [chat_image(part, f"input.{i}.content.{j}") if isinstance(part, ImagePart)
+                else ChatTextPart(type="text", text=part.text) for j, part in enumerate(self.content)]
+
+
+def chat_image(part: ImagePart, where: str) -> ImageUrlPart:
+    """An `input_image` part as a chat image part, named by its client's path."""
+    if part.file_id is not None:
+        raise InvalidRequest("`file_id` images are not supported: files are not served as images here; send the "
+                             "image as a data: URL in `image_url`", param=f"{where}.file_id")
+    if not part.image_url:
+        raise InvalidRequest("an input_image needs its `image_url`", param=f"{where}.image_url")
+    return image_part(part.image_url, f"{where}.image_url", part.detail)
 
 
 class FunctionCallItem(_Item):
@@ -111,7 +145,8 @@ def input_item(raw: Any, i: int) -> MessageItem | FunctionCallItem | FunctionCal
         item = _INPUT_ITEM.validate_python({**raw, "type": kind})
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(part) for part in (f"input.{i}", *first["loc"][1:]))  # loc[0]: the union's tag
+        # loc[0]: the union's tag; a content part's tag is no field either
+        where = ".".join(str(part) for part in (f"input.{i}", *first["loc"][1:]) if part not in PART_TAGS)
         raise InvalidRequest(f"{where}: {first['msg']}", param=where) from err
     if isinstance(item, ItemReference):
         raise InvalidRequest("`item_reference` needs stored responses, which this server does not keep",
@@ -127,7 +162,7 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
     for i, raw in enumerate(items):
         item = input_item(raw, i)
         if isinstance(item, MessageItem):
-            message = {"role": item.role, "content": item.text()}
+            message = {"role": item.role, "content": item.chat_content(i)}
             if item.role == "assistant" and thought:
                 message["reasoning_content"], thought = thought, None
             messages.append(message)
