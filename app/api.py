@@ -205,6 +205,8 @@ async def list_models(request: Request, state: State) -> dict:
             model["dimensions"] = lm.dimensions
     elif lm:
         model["sampling_defaults"] = default_sampling(lm.generation_defaults)
+        # whether a request may send images (app/models/vision.py): the playground offers its attach button on it
+        model["capabilities"] = {"vision": getattr(lm, "vision", None) is not None}
     if lm and getattr(lm, "weight_bytes", None):  # by format (app/models/weight_memory.py)
         model["weight_bytes"] = {"total": sum(lm.weight_bytes.values()), **lm.weight_bytes}
     adapters = adapter_models(state.adapters, state.settings.model_id, getattr(request.state, "tenant", None))
@@ -254,7 +256,9 @@ async def tokenize(body: TokenizeBody, request: Request, serving: Serving) -> di
     if body.model is not None:
         serving.check_model(body.model, getattr(request.state, "tenant", None))
     if body.messages is not None:
-        ids = await serving.encode_messages(body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+        # as a completion counts them: a vision model's images expanded to their tokens, a text model's refused
+        ids, _ = await serving.encode_prompt(body.chat_messages(), body.image_parts(),
+                                             add_generation_prompt=body.add_generation_prompt)
     elif body.prompt is not None:
         ids = await serving.encode_text(body.prompt)
     else:

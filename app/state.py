@@ -13,6 +13,7 @@ from functools import partial
 
 from app.auth import ApiKeys, priority_grant
 from app.body import BodyLimits
+from app.images import ImageLimits
 from app.config import Settings
 from app.core.engine.embedding import EmbeddingEngine
 from app.core.engine.engine import Engine
@@ -155,7 +156,8 @@ class ServerState:
                                          s.grammar_client_header, s.queue_timeout_s, s.request_timeout_s,
                                          self.adapters, s.max_prompt_logprob_entries,
                                          reasoning_parser=s.reasoning_parser,
-                                         priority_granted=priority_grant(s.priority_keys, self.api_keys))
+                                         priority_granted=priority_grant(s.priority_keys, self.api_keys),
+                                         image_limits=ImageLimits.from_settings(s))
         self.serving.tool_format, why = choose_tool_format(self.lm.tokenizer, s.tool_call_parser)
         self.serving.tool_markers = tool_markers(self.lm.tokenizer, self.serving.tool_format)
         log.info("tool calls: %s (%s)", self.serving.tool_format or "not served", why)

@@ -218,6 +218,37 @@ def real_api_key() -> str:
     return API_KEY
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm() -> LoadedModel:
+    """A tiny random LLaVA (tests/vision_models.py) as the server loads a vision model: its language model for the
+    engine, its vision tower and processor for a request's images."""
+    from app.models.vision import VisionEncoder, text_model
+    from vision_models import build
+
+    vlm, processor = build("llava")
+    tok = processor.tokenizer
+    return LoadedModel(model=text_model(vlm), tokenizer=tok, name="tiny-llava", max_context=512,
+                       eos_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+                       vision=VisionEncoder(vlm, processor, torch.float32))
+
+
+@pytest.fixture
+def make_vision_server(tiny_vlm):
+    """Build a server around the tiny LLaVA with the given settings; closed at the end of the test."""
+    from app.main import create_app
+
+    servers: list[ThreadServer] = []
+
+    def make(**settings) -> ThreadServer:
+        app = create_app(Settings(model="tiny-llava", **settings), lm=tiny_vlm)
+        servers.append(ThreadServer(app).__enter__())
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.__exit__()
+
+
 @pytest.fixture
 def make_tiny_server(tiny_lm):
     """Build a server around the tiny model with the given settings; closed at the end of the test."""

@@ -18,13 +18,13 @@ class Seen:
     cached_tokens: int
 
 
-def run_engine(lm, requests: list[tuple[list[int], SamplingParams]], together: bool = False,
-               **engine_kwargs) -> tuple[list[Seen], Engine]:
-    """One engine per call. `together`: submit all at once (they share steps); else one after another."""
+def run_engine(lm, requests: list[tuple], together: bool = False, **engine_kwargs) -> tuple[list[Seen], Engine]:
+    """One engine per call; each request (prompt ids, SamplingParams[, its images' ImagePrompt]). `together`:
+    submit all at once (they share steps); else one after another."""
     engine = Engine(lm, **engine_kwargs)
 
-    async def one(ids, params) -> Seen:
-        handle = engine.submit(ids, params)
+    async def one(ids, params, images=None) -> Seen:
+        handle = engine.submit(ids, params, images=images)
         events = [event async for event in handle]
         return Seen([e.token_id for e in events], "".join(e.text for e in events), events[-1].finish_reason,
                     handle.cached_tokens)
@@ -36,8 +36,8 @@ def run_engine(lm, requests: list[tuple[list[int], SamplingParams]], together: b
             raise engine.load_error
         try:
             if together:
-                return list(await asyncio.gather(*(one(ids, p) for ids, p in requests)))
-            return [await one(ids, p) for ids, p in requests]
+                return list(await asyncio.gather(*(one(*request) for request in requests)))
+            return [await one(*request) for request in requests]
         finally:
             engine.stop()
 

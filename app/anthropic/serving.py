@@ -67,7 +67,7 @@ class MessagesApi(WireApi):
     async def prepare(self, body: _Conversation) -> Prepared:
         # validates the chat request: on a prepare worker, not on the loop
         chat = await self.serving.preparing.run(body.to_chat_request, self.serving.reasoning is not None)
-        return Prepared(chat, await self.serving.encode_chat(chat, continue_final=body.prefill))
+        return await self.serving.prepare_chat(chat, continue_final=body.prefill)
 
     def answer(self, body: MessagesRequest, prepared: Prepared, choices: list[Choice], request: Request) -> Answer:
         return Answer(self.serving.served_name(choices), len(prepared.prompt_ids),

@@ -118,6 +118,11 @@ class Sequence:
         # prompt logprobs, scored chunk by chunk from the prefill's own logits; they go out with the first token
         self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.adapter = None  # an app.models.lora.LoraAdapter whose product every pass adds; None: the base model
+        self.images = None  # an app.models.vision.ImagePrompt: embeddings the pass writes over its image placeholders
+
+    def cache_keys(self, token_ids: list[int]) -> list:
+        """Its tokens as the prefix cache keys them: an image's placeholders by that image's pixels."""
+        return token_ids if self.images is None else self.images.keys(token_ids)
 
     @property
     def n_generated(self) -> int:

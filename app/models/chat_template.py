@@ -21,6 +21,8 @@ import jinja2
 from jinja2 import meta
 from jinja2.ext import Extension, loopcontrols
 
+from app.errors import InvalidRequest
+
 log = logging.getLogger("app.models.chat_template")
 
 # apply_chat_template's and render_jinja_template's own parameters, and the functions transformers' template
@@ -63,3 +65,34 @@ def passed_kwargs(kwargs: dict[str, Any], variables: frozenset[str] | None) -> d
     """The kwargs to hand to apply_chat_template: the server's own (reserved names: a request's were refused where
     it was read, app/openai/protocol.py) and those the template reads (all, if its variables are unknown)."""
     return {k: v for k, v in kwargs.items() if variables is None or k in variables or k in RESERVED_TEMPLATE_ARGS}
+
+
+def render_chat(tokenizer, variables: frozenset[str] | None, messages, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+    """Render with the tokenizer's own chat template (and its way of showing `tools`), ending in the assistant's
+    turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`.
+
+    A template that cannot render these messages is the caller's problem to fix, not a server fault: no template
+    at all, one that raises on the role order or a system message (`raise_exception`), values nested deeper than
+    transformers' conversion of messages or the template's `tojson` can recurse (RecursionError at about 480
+    levels), or a value the template cannot handle (TypeError). The request is all that went in here, so whatever
+    is raised is a 400, never a 500."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **passed_kwargs(template_kwargs or {}, variables))
+    except RecursionError as err:
+        raise InvalidRequest("the messages or tools are nested too deeply for the chat template to render",
+                             param="messages") from err
+    except (jinja2.TemplateError, ValueError) as err:  # transformers raises ValueError when there is no template
+        raise InvalidRequest(f"the model's chat template cannot render these messages: {_short(err)}",
+                             param="messages") from err
+    except Exception as err:
+        raise InvalidRequest(f"the model's chat template cannot render these messages: "
+                             f"{type(err).__name__}: {_short(err)}", param="messages") from err
+
+
+def _short(err: Exception, limit: int = 500) -> str:
+    """An exception's message for a client: a template's error may quote a whole (large) value."""
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "..."

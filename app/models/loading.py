@@ -16,11 +16,10 @@ from typing import Any, Sequence
 
 import psutil
 import torch
-from jinja2 import TemplateError
 
 from app.config import prepack_mode
 from app.errors import ConfigError, InvalidRequest
-from app.models.chat_template import passed_kwargs, template_variables
+from app.models.chat_template import render_chat, template_variables
 from app.models.architectures import unservable
 from app.models.batch_rows import copy_bytes, copy_bytes_held, use_batch_rows
 from app.models.cpu import CpuFeatures, auto_dtype, prepack_support
@@ -34,6 +33,7 @@ from app.models.invariance import cannot_hold, make_linears_invariant, resolve_b
 from app.models.quant import dynamic_int8_supported, keep_own_copies
 from app.models.streamed_load import load_weights, locate, resolve_quant
 from app.models.tokenizer_memory import drop_build_inputs
+from app.models.vision import is_vision, load_vision, vision_problem
 from app.models.weight_memory import describe, weight_bytes_by_format
 
 log = logging.getLogger("app.models.loading")
@@ -63,6 +63,7 @@ class LoadedModel:
     batch_invariant: bool = False  # BATCH_INVARIANT resolved (app/models/invariance.py)
     invariance: str = "off: not loaded by load_model"  # why it is on or off
     kv_int8: bool = False  # KV_CACHE_DTYPE=int8: each request's cache keeps 8-bit keys and values
+    vision: Any = None  # app.models.vision.VisionEncoder: the model takes images (None: text alone)
     kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
     @property
@@ -84,28 +85,13 @@ class LoadedModel:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
-        """Render with the tokenizer's own chat template (and its way of showing `tools`), ending in the assistant's
-        turn. `template_kwargs` are the template's own switches, such as Qwen3's `enable_thinking`.
+        """The messages rendered by the tokenizer's own chat template (app/models/chat_template.py), tokenized."""
+        return self.encode_text(self.render_chat(messages, template_kwargs, tools, add_generation_prompt))
 
-        A template that cannot render these messages is the caller's problem to fix, not a server fault: no
-        template at all, one that raises on the role order or a system message (`raise_exception`), values nested
-        deeper than transformers' conversion of messages or the template's `tojson` can recurse (RecursionError at
-        about 480 levels), or a value the template cannot handle (TypeError). The request is all that went in here,
-        so whatever is raised is a 400, never a 500."""
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      **passed_kwargs(template_kwargs or {}, self.template_variables))
-        except RecursionError as err:
-            raise InvalidRequest("the messages or tools are nested too deeply for the chat template to render",
-                                 param="messages") from err
-        except (TemplateError, ValueError) as err:  # transformers raises ValueError when there is no template
-            raise InvalidRequest(f"the model's chat template cannot render these messages: {_short(err)}",
-                                 param="messages") from err
-        except Exception as err:
-            raise InvalidRequest(f"the model's chat template cannot render these messages: "
-                                 f"{type(err).__name__}: {_short(err)}", param="messages") from err
-        return self.encode_text(text)
+    def render_chat(self, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+        return render_chat(self.tokenizer, self.template_variables, messages, template_kwargs, tools,
+                           add_generation_prompt)
 
     def encode_text(self, text: str) -> list[int]:
         # The chat template already wrote any BOS it wants; plain prompts are taken as given.
@@ -117,12 +103,6 @@ class LoadedModel:
         self.invariance = cannot_hold(self.invariance, why)
         self.batch_invariant = False
         log.warning("batch invariance off: %s", self.invariance)
-
-
-def _short(err: Exception, limit: int = 500) -> str:
-    """An exception's message for a client: a template's error may quote a whole (large) value."""
-    text = str(err)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def resolve_device(device: str) -> torch.device:
@@ -195,14 +175,14 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if not kwargs and Path(source).is_dir() and is_pooling_dir(Path(source)):
         return _load_pooling(source, name_or_path, torch_device, dtype, max_model_len, quant, tensor_parallel)
     log.info("dtype %s: %s", str(torch_dtype).removeprefix("torch."), dtype_reason)
-    ranks = invariant = None
+    ranks = invariant = vision = None
     if quant != "none":  # weighs no weights: resolved first, as the linears are quantized while they load
         invariant, invariance = resolve_batch_invariant(batch_invariant, torch_device, torch_dtype, quant,
                                                          decode_step, lora=lora)
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        if why := unservable(config):  # before minutes of loading weights it could not serve
-            raise ConfigError(f"cannot serve {name_or_path!r}: {why}", param="model")
+        if why := unservable(config) or vision_problem(config, quant, tensor_parallel):  # before loading weights
+            raise ConfigError(f"cannot serve {name_or_path!r}: {why}", param="quant" if "QUANT" in why else "model")
         if kv_cache_dtype == "int8" and getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
             raise ConfigError(f"KV_CACHE_DTYPE=int8 keeps keys and values per head; {name_or_path!r} caches a "
                               "compressed latent (MLA); set KV_CACHE_DTYPE=auto", param="kv_cache_dtype")
@@ -215,6 +195,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
             # Each rank reads only its shard; transformers puts it on this rank's device (LOCAL_RANK).
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel), **kwargs)
+        elif is_vision(config):  # the engine serves its language model; images become embeddings before it
+            model, vision = load_vision(source, kwargs, torch_device, torch_dtype, tokenizer)
         else:  # streamed where it can be, quantized as it loads (app/models/streamed_load.py)
             model = load_weights(source, kwargs, config, torch_device, torch_dtype, quant,
                                  {"wide_copy": int4_wide_copy, "batch_invariant": invariant, "own_bits": own_bits})
@@ -253,13 +235,14 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    model_len = getattr(config, "max_position_embeddings", None) or 4096
+    model_len = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
     if max_model_len is not None and max_model_len > model_len:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {model_len}", param="max_model_len")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, max_context=max_model_len or model_len,
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
-                       batch_invariant=invariant, invariance=invariance, kv_int8=kv_cache_dtype == "int8")
+                       batch_invariant=invariant, invariance=invariance, kv_int8=kv_cache_dtype == "int8",
+                       vision=vision)
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,

@@ -45,7 +45,7 @@ class Answer:
 
 class ChatApi(WireApi):
     async def prepare(self, body: ChatCompletionRequest) -> Prepared:
-        return Prepared(body, await self.serving.encode_chat(body))
+        return await self.serving.prepare_chat(body)
 
     def answer(self, body, prepared: Prepared, choices: list[Choice], request: Request) -> Answer:
         kind = ("chatcmpl", "chat.completion") if prepared.chat else ("cmpl", "text_completion")

@@ -45,6 +45,7 @@ class Prepared:
     prompt_ids: list[int]
     chat: bool = True  # a chat answer (reasoning split, tool calls), not a text completion
     prompt: Any = None  # a completion's prompt as sent (text or ids), for its echo
+    images: Any = None  # app/models/vision.py's ImagePrompt: the embeddings of the prompt's images, if it has any
 
 
 class WireApi:
@@ -85,7 +86,8 @@ async def create(api: WireApi, body, request: Request) -> Response:
     try:
         prepared = await api.prepare(body)
         grammar = await serving.grammar(prepared.request, request)  # response_format, a forced tool call
-        choices, headers = serving.start(prepared.request, request, prepared.prompt_ids, prepared.chat, grammar)
+        choices, headers = serving.start(prepared.request, request, prepared.prompt_ids, prepared.chat, grammar,
+                                        prepared.images)
         answer = api.answer(body, prepared, choices, request)
         request.state.request_id = answer.id
         if body.stream:

@@ -26,7 +26,9 @@ from app.models.loading import LoadedModel
 from app.models.lora import LoraAdapter, LoraAdapters
 from app.openai.answer import Choice, Delta
 from app.openai.completions_wire import ChatApi, CompletionsApi, error_body  # noqa: F401 (error_body: main.py's)
-from app.openai.flow import create
+from app.openai.flow import Prepared, create
+from app.images import ImageLimits, check_image_count, load_image
+from app.openai.content_parts import refuse_images
 from app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.structured.grammars import Grammar, Grammars
 from app.structured.schema_check import GrammarLimits
@@ -49,8 +51,10 @@ class CompletionServing:
                  preparing: Preparing | None = None, grammar_client_header: str | None = None,
                  queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
                  adapters: LoraAdapters | None = None, max_prompt_logprob_entries: int = 1_000_000,
-                 reasoning_parser: str = "auto", priority_granted: Callable[[str | None], bool] = lambda t: False):
+                 reasoning_parser: str = "auto", priority_granted: Callable[[str | None], bool] = lambda t: False,
+                 image_limits: ImageLimits = ImageLimits()):
         self.engine, self.lm, self.preparing = engine, lm, preparing or Preparing()
+        self.image_limits = image_limits  # a request's images: bytes, pixels, count, tokens (app/images.py)
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s  # app/deadlines.py
         self.sse_send_timeout_s = sse_send_timeout_s  # a stream whose client reads nothing this long ends
         self.model_id = model_id
@@ -74,16 +78,40 @@ class CompletionServing:
     async def completion(self, body: CompletionRequest, request: Request):
         return await create(CompletionsApi(self), body, request)
 
-    async def encode_chat(self, body: ChatCompletionRequest, continue_final: bool = False) -> list[int]:
-        """`continue_final`: the last (assistant) message is the start of the answer, to be continued (Anthropic's
+    async def prepare_chat(self, body: ChatCompletionRequest, continue_final: bool = False) -> Prepared:
+        """The chat request ready for the engine: its prompt ids and, where it sends images, their embeddings.
+        `continue_final`: the last (assistant) message is the start of the answer, to be continued (Anthropic's
         prefill), rather than a finished turn followed by a new one."""
         body.check_tools()
         if body.tools and self.tool_format is None:
             raise InvalidRequest(f"the chat template of {self.model_id!r} cannot show tools to the model, so "
                                  "`tools` cannot be served", param="tools")
         kwargs = body.template_kwargs() | ({"continue_final_message": True} if continue_final else {})
-        return await self.encode_messages(body.chat_messages(), kwargs, body.template_tools(),
-                                          add_generation_prompt=not continue_final)
+        ids, images = await self.encode_prompt(body.chat_messages(), body.image_parts(), kwargs,
+                                               body.template_tools(), add_generation_prompt=not continue_final)
+        return Prepared(body, ids, images=images)
+
+    async def encode_prompt(self, messages: list[dict[str, Any]], images: list[tuple[str, str]],
+                            template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True) -> tuple[list[int], Any]:
+        """(prompt ids, its images' ImagePrompt or None). `images`: (url, the field its client sent it under), in
+        prompt order (ChatCompletionRequest.image_parts); a text model refuses them, naming the first one's field."""
+        if images and getattr(self.lm, "vision", None) is None:
+            refuse_images(images, self.model_id)  # never dropped silently
+        if not images:
+            return await self.encode_messages(messages, template_kwargs, tools, add_generation_prompt), None
+        return await self.preparing.run(self._encode_images, messages, template_kwargs, tools, add_generation_prompt,
+                                        images)
+
+    def _encode_images(self, messages, kwargs, tools, add_generation_prompt: bool, images: list[tuple[str, str]]):
+        """On a prepare worker: the images read and bounded (app/images.py), the prompt rendered, each image's
+        placeholder expanded and the vision tower run (app/models/vision.py). A decode or a vision pass takes
+        far longer than a text token: never on the event loop, and counted against MAX_PREPARING."""
+        check_image_count(len(images), self.image_limits, images[-1][1])
+        loaded = [load_image(url, field, self.image_limits) for url, field in images]
+        prompt = self.lm.render_chat(messages, kwargs, tools, add_generation_prompt)
+        return self.lm.vision.encode(prompt, [i.image for i in loaded], [i.digest for i in loaded],
+                                     self.image_limits.max_image_tokens)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> list[int]:
         if unknown := sorted({t for t in prompt_ids if t >= self.lm.vocab_size}):
@@ -130,7 +158,7 @@ class CompletionServing:
         return await request_grammar(self.grammars, body, self.tool_format, client, tenant)
 
     def start(self, body, request: Request, prompt_ids: list[int], chat: bool,
-              grammar: Grammar | None = None) -> tuple[list[Choice], dict]:
+              grammar: Grammar | None = None, images=None) -> tuple[list[Choice], dict]:
         """Turn the request into SamplingParams and submit its choices; also the headers every answer carries.
         Every generating API comes through here (app/openai/flow.py)."""
         reasoning = self.reasoning if chat else None
@@ -155,7 +183,7 @@ class CompletionServing:
             self.request_timeout_s)
         request.state.sampling = params[0]  # for the trace's attributes
         choices = self._submit(prompt_ids, params, thinking, deadlines, getattr(request.state, "x_request_id", None),
-                               adapter, background)
+                               adapter, background, images)
         request.state.choices = choices  # for the log line and the trace, once the answer is out
         if chat and body.parse_tools:
             for choice in choices:
@@ -182,7 +210,7 @@ class CompletionServing:
     def _submit(self, prompt_ids: list[int], params: list[SamplingParams], thinking: bool | None,
                 deadlines: tuple[float | None, float | None] = (None, None),
                 request_id: str | None = None, adapter: LoraAdapter | None = None,
-                background: bool = False) -> list[Choice]:
+                background: bool = False, images=None) -> list[Choice]:
         choices: list[Choice] = []
         queue_deadline, deadline = deadlines
         try:
@@ -190,7 +218,7 @@ class CompletionServing:
                 splitter = self.reasoning.splitter(thinking) if thinking is not None else None
                 handle_id = f"{request_id}/{i}" if request_id and len(params) > 1 else request_id  # engine's log
                 choices.append(Choice(i, self.engine.submit(prompt_ids, p, handle_id, queue_deadline, deadline,
-                                                                adapter, background=background),
+                                                                adapter, background=background, images=images),
                                       splitter))
         except ServeError:
             for choice in choices:  # all or nothing: don't leave half of an n>1 request running

@@ -142,12 +142,14 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                queue_deadline: float | None = None, deadline: float | None = None,
-               adapter: LoraAdapter | None = None, traffic: bool = True, background: bool = False) -> RequestHandle:
+               adapter: LoraAdapter | None = None, traffic: bool = True, background: bool = False,
+               images: object | None = None) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequest, Overloaded or ShuttingDown before any compute is spent.
         The deadlines are `time.perf_counter()` times (see the module docstring). `adapter`: the LoRA adapter this
         request runs with (the handle holds it to the end); None: the base model. `traffic=False`: the server's
         own generation (a probe), kept out of the request metrics (the gauges still see it: it holds a slot).
-        `background`: the batch class (see the module docstring)."""
+        `background`: the batch class (see the module docstring). `images`: the prompt's image embeddings
+        (app/models/vision.py's ImagePrompt), written over its placeholders when its prefill runs."""
         if self.draining:
             raise ShuttingDown()
         max_new = check_request(prompt_ids, params, self.lm.vocab_size, self.lm.max_context)
@@ -155,7 +157,7 @@ class Engine:
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, max_new,
                                asyncio.get_running_loop(), kv_bytes=kv_bytes, queue_deadline=queue_deadline,
                                deadline=deadline, adapter=adapter, metrics=self.metrics if traffic else UNSCRAPED,
-                               background=background)
+                               background=background, images=images)
         with self._wake:
             if self.died is not None or self._stopping:
                 raise EngineDead(f"the engine has stopped: {self.died!r}" if self.died else "the engine has stopped")

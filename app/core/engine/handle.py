@@ -69,6 +69,7 @@ class RequestHandle:
     # The priority class: False, interactive (an API client); True, background (a batch line), which waits behind
     # every interactive request and runs in the capacity they leave, plus its share (Engine._next_to_admit).
     background: bool = False
+    images: Any = None  # app.models.vision.ImagePrompt: the prompt's image embeddings, None for text alone
     adapter: Any = None  # app.models.lora.LoraAdapter: held until the request ends, even if it is unloaded meanwhile
     # app.metrics.Metrics its own counts go to (tokens, latencies, finish reason): the server's, or for the server's
     # own generations (warm-up, /health/generate) one nobody scrapes, so they are not counted as traffic

@@ -182,7 +182,7 @@ class StepRunner:
                 # a later turn of this conversation starts with all of it; not under BATCH_INVARIANT, where the
                 # generated tokens' keys (decode rows) are not what a prompt's prefill pieces compute
                 if event.finish_reason and not self.lm.batch_invariant:
-                    self._remember(seq.token_ids[0, : seq.length].tolist(), seq)
+                    self._remember(seq.cache_keys(seq.token_ids[0, : seq.length].tolist()), seq)
 
     def _start(self, handle: RequestHandle) -> Sequence | None:
         """A newly admitted request's Sequence, from any cached prefix of its prompt; None: it failed (a prompt the
@@ -190,6 +190,7 @@ class StepRunner:
         try:
             seq = Sequence(self.lm.model, self.lm.tokenizer, handle.prompt_ids, handle.params, self.lm.eos_ids,
                            self.lm.max_context, handle.max_new_tokens, kv_int8=self.lm.kv_int8)  # checked at submit
+            seq.images = handle.images
             self._reuse_prefix(handle, seq)
         except Exception as err:  # noqa: BLE001 - one request's failure is its own
             self.fail([handle], err)
@@ -236,7 +237,7 @@ class StepRunner:
                 continue  # a prefill chunk that was not the prompt's last: no token yet
             if seq.n_generated == 0:
                 prompts_done.append((handle, seq.prompt_len))
-                self._remember(handle.prompt_ids, seq)
+                self._remember(seq.cache_keys(handle.prompt_ids), seq)
             if drafts:
                 try:
                     verified, accepted = accept_drafts(seq, logits[rows], drafts)
@@ -272,7 +273,7 @@ class StepRunner:
         if self.prefix_cache is None or seq.prompt_logprobs is not None:  # a scored prompt needs every position
             return
         handle.metrics.prefix_cache_queried.inc(seq.prompt_len)
-        blocks = self.prefix_cache.match(handle.prompt_ids, prefix_salt(handle.params.cache_salt, handle.adapter))
+        blocks = self.prefix_cache.match(seq.cache_keys(handle.prompt_ids), prefix_salt(handle.params.cache_salt, handle.adapter))
         if blocks:
             seq.cache = self.prefix_cache.load(blocks, self.lm.model.config, limit=seq.token_ids.shape[1])
             handle.cached_tokens = seq.cache.get_seq_length()

@@ -72,11 +72,28 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
                                        views=model.config._attn_implementation == PACKED)
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
+    _write_images(model, inputs, work, items, spans)  # a prompt chunk with image placeholders: their embeddings
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
     with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device, invariant):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]
         last = torch.tensor([end - k for (_, end), m in zip(spans, n_out) for k in range(m, 0, -1)], device=device)
         return logits_from_hidden(model, hidden[:, last])[0].float()  # [sum(n_out), vocab]
+
+
+def _write_images(model, inputs: dict, work, items, spans) -> None:
+    """Where a row feeds image placeholders of its prompt, feed embeddings instead of ids: the tokens' own, with the
+    image's features written over the placeholders, as the VLM's forward does (app/models/vision.py)."""
+    chunks = []
+    for (seq, _), (tokens, start), (offset, _) in zip(work, items, spans):
+        if getattr(seq, "images", None) is not None and start < seq.prompt_len:
+            at, embeds = seq.images.chunk(start, start + len(tokens))  # [k] offsets in the chunk, [k, hidden]
+            if len(at):
+                chunks.append((offset + at, embeds))
+    if chunks:
+        embeds = model.get_input_embeddings()(inputs.pop("input_ids"))  # [1, T_total, hidden]
+        for at, values in chunks:
+            embeds[0, at.to(embeds.device)] = values.to(embeds.device, embeds.dtype)
+        inputs["inputs_embeds"] = embeds
 
 
 def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,

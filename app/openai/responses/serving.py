@@ -49,7 +49,7 @@ class ResponsesApi(WireApi):
     async def prepare(self, body: ResponsesRequest) -> Prepared:
         chat = await self.serving.preparing.run(body.to_chat_request)  # validates the chat request: not on the loop
         check_echo(body)  # before anything runs: afterwards, the answer would have nowhere to go
-        return Prepared(chat, await self.serving.encode_chat(chat))
+        return await self.serving.prepare_chat(chat)
 
     def answer(self, body: ResponsesRequest, prepared: Prepared, choices: list[Choice], request: Request) -> Answer:
         answer = Answer(body, prepared.request, self.serving.served_name(choices), len(prepared.prompt_ids))
