@@ -3,7 +3,8 @@
 // No build step and no library: the page asks the server for the model and its sampling defaults (GET /v1/models),
 // sends the conversation with the controls' values and "inspect": {"top": N}, reads the SSE stream itself (fetch,
 // since EventSource cannot POST), and keeps, for each token of an answer, the table the sampler worked from
-// (inspector.js draws it).
+// (inspector.js draws it). A model that takes images gets an image attachment on each message (attach.js).
+import {clearAttachment, enableAttachments, pendingImage, setupAttachments, thumbnail} from "./attach.js";
 import {$, clearInspector, element, makeInspectable, tokenSpan} from "./inspector.js";
 
 const CONTROLS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty"];
@@ -49,6 +50,7 @@ async function loadModel() {
   state.defaults = model.sampling_defaults;
   $("model").textContent = `${model.id} · context ${model.max_model_len} tokens`;
   $("max_tokens").max = model.max_model_len;
+  enableAttachments(Boolean(model.capabilities && model.capabilities.vision));
   applyDefaults();
 }
 
@@ -99,13 +101,23 @@ async function* sseEvents(stream) {
   }
 }
 
+// What a user message sends: its text as a plain string, as before images; with an image, OpenAI's content parts
+// (the text, then the image), which the history keeps, so that later turns still show the model the image.
+function userContent(text, image) {
+  if (!image) return text;
+  const parts = text ? [{type: "text", text}] : [];
+  return parts.concat({type: "image_url", image_url: {url: image.url}});
+}
+
 async function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || state.controller || !state.model) return;
+  const image = pendingImage();
+  if ((!text && !image) || state.controller || !state.model) return;
   $("prompt").value = "";
-  addMessage("user", text);
-  state.history.push({role: "user", content: text});
+  clearAttachment();
+  addMessage("user", text, image);
+  state.history.push({role: "user", content: userContent(text, image)});
   const answer = addAnswer();
   state.controller = new AbortController();
   setBusy(true);
@@ -145,8 +157,9 @@ function setBusy(busy) {
 
 // ---- the conversation ----
 
-function addMessage(role, text) {
+function addMessage(role, text, image) {
   const el = element("div", `message ${role}`);
+  if (image) el.append(thumbnail(image));
   el.append(element("div", "content", text));
   $("messages").append(el);
   el.scrollIntoView({block: "end"});
@@ -243,6 +256,7 @@ function newChat() {
 }
 
 $("composer").addEventListener("submit", send);
+setupAttachments();
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {  // Enter sends, Shift+Enter is a new line
     event.preventDefault();

@@ -7,6 +7,7 @@ the test, and so does any console error. `make chromium` installs the browser (`
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from app.config import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "playground.png"
-WEB_FILES = ("index.html", "playground.js", "inspector.js", "playground.css")
+WEB_FILES = ("index.html", "playground.js", "inspector.js", "attach.js", "playground.css")
 CONTROLS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -264,6 +265,124 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_inspectable(open_page):
         answer.locator(".content .tok").first.click()  # the tokens that show no text join the next one that does
         check_inspector_shows(page, [entries["</think>"], entries["\n\n"], entries["Par"]])
         assert p.outside == [] and p.errors == []
+
+
+def png(path: Path, color: str = "red", size: tuple[int, int] = (48, 40)) -> Path:
+    from PIL import Image
+
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def drop_or_paste(page, event: str, path: Path, mime: str = "image/png") -> None:
+    """Drop a file on the message box (as a drag from the desktop does: dragover, then drop), or paste it."""
+    page.evaluate("""([event, b64, mime]) => {
+        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+        const transfer = new DataTransfer();
+        transfer.items.add(new File([bytes], 'dropped.png', {type: mime}));
+        const box = document.getElementById('prompt');
+        if (event === 'paste') {
+            box.dispatchEvent(new ClipboardEvent('paste', {clipboardData: transfer, bubbles: true, cancelable: true}));
+            return;
+        }
+        box.dispatchEvent(new DragEvent('dragover', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+        box.dispatchEvent(new DragEvent('drop', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+    }""", [event, base64.b64encode(path.read_bytes()).decode(), mime])
+
+
+@pytest.mark.browser
+def test_an_image_is_attached_sent_shown_and_kept_in_the_history(make_vision_server, open_page, tmp_path):
+    server = make_vision_server()
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["capabilities"] == {"vision": True}
+    p = open_page(server.url)
+    page = p.page
+    expect(page.locator("#model")).to_contain_text("tiny-llava")
+    expect(page.locator("#attach")).to_be_visible()
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "8")
+
+    blue, red = png(tmp_path / "blue.png", "blue"), png(tmp_path / "red.png", "red")
+    page.set_input_files("#attach-file", str(blue))  # what the "Image…" button's file picker sets
+    pending = page.locator("#attachment img.thumb")
+    expect(pending).to_have_attribute("src", data_url(blue))
+    page.click("#attachment button.remove")  # removed before sending: nothing is sent
+    expect(page.locator("#attachment")).to_be_hidden()
+    page.set_input_files("#attach-file", str(red))
+    expect(pending).to_have_attribute("src", data_url(red))
+
+    response = ask(page, "What colour is this?")
+    assert response.status == 200
+    sent = response.request.post_data_json["messages"]
+    assert sent == [{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
+                                                 {"type": "image_url", "image_url": {"url": data_url(red)}}]}]
+    expect(page.locator("#attachment")).to_be_hidden()  # sent: the composer is empty again
+    user = page.locator(".message.user")
+    expect(user.locator("img.thumb")).to_have_attribute("src", data_url(red))
+    expect(user.locator(".content")).to_have_text("What colour is this?")
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".error")).to_have_count(0)
+    # the tiny random model's words mean nothing; that it answered at all is what counts
+    assert answer.locator(".content").text_content() and answer.locator(".content .tok").count() >= 1
+    assert sse_choices(response.text())
+
+    # a later turn sends the image again, in its turn; a message without one stays a plain string
+    response = ask(page, "And now?")
+    assert response.status == 200
+    sent = response.request.post_data_json["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[0]["content"][1] == {"type": "image_url", "image_url": {"url": data_url(red)}}
+    assert isinstance(sent[1]["content"], str) and sent[2]["content"] == "And now?"
+    expect(page.locator(".message.user img.thumb")).to_have_count(1)
+    assert p.outside == [] and p.errors == []
+
+
+@pytest.mark.browser
+def test_an_image_can_be_dropped_or_pasted_and_a_wrong_one_is_refused_before_sending(make_vision_server,
+                                                                                     open_page, tmp_path):
+    p = open_page(make_vision_server().url)
+    page = p.page
+    expect(page.locator("#attach")).to_be_visible()
+    image = png(tmp_path / "green.png", "green")
+    drop_or_paste(page, "drop", image)
+    expect(page.locator("#attachment img.thumb")).to_have_attribute("src", data_url(image))
+    page.click("#attachment button.remove")
+    drop_or_paste(page, "paste", image)
+    expect(page.locator("#attachment img.thumb")).to_have_attribute("src", data_url(image))
+
+    # too big, or not an image: a message says so, and nothing is attached (the earlier image goes too)
+    page.set_input_files("#attach-file", files=[{"name": "huge.png", "mimeType": "image/png",
+                                                 "buffer": b"\x89PNG" + bytes(5 * 2**20)}])
+    expect(page.locator("#attach-error")).to_contain_text("huge.png is 5.0 MB; images of at most 4.0 MB are sent")
+    expect(page.locator("#attachment")).to_be_hidden()
+    drop_or_paste(page, "drop", tmp_path / "green.png", mime="application/pdf")
+    expect(page.locator("#attach-error")).to_contain_text("not an image this page sends (PNG, JPEG, WebP or GIF)")
+    expect(page.locator("#attachment")).to_be_hidden()
+    page.set_input_files("#attach-file", str(image))  # a good one clears the message
+    expect(page.locator("#attach-error")).to_be_hidden()
+    expect(page.locator("#attachment img.thumb")).to_be_visible()
+    assert "/v1/chat/completions" not in p.local  # refusing sent nothing
+    assert p.outside == [] and p.errors == []
+
+
+@pytest.mark.browser
+def test_a_text_only_model_offers_no_image_attachment(make_tiny_server, open_page, tmp_path):
+    server = make_tiny_server()
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["capabilities"] == {"vision": False}
+    p = open_page(server.url)
+    page = p.page
+    expect(page.locator("#model")).to_contain_text("context")  # the model's details have been read
+    expect(page.locator("#attach")).to_be_hidden()
+    drop_or_paste(page, "drop", png(tmp_path / "red.png"))  # a drop is not taken either
+    expect(page.locator("#attachment")).to_be_hidden()
+    page.fill("#max_tokens", "8")  # the tiny model's context is 256 tokens, the page's default max_tokens too
+    response = ask(page, "hi")
+    assert response.request.post_data_json["messages"] == [{"role": "user", "content": "hi"}]
+    assert response.status == 200, response.text()
+    assert p.outside == [] and p.errors == []
 
 
 @pytest.mark.browser

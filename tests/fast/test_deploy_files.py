@@ -473,7 +473,7 @@ def _dockerignore_patterns() -> list[str]:
 def test_dockerignore_keeps_junk_out_and_build_inputs_in(tmp_path):
     build = _need("docker.utils.build", "docker")
     included_expected = ["pyproject.toml", "README.md", "app/__init__.py", "app/server.py", "app/web/index.html",
-                         "app/web/playground.js", "app/web/inspector.js", "app/web/playground.css"]
+                         "app/web/playground.js", "app/web/inspector.js", "app/web/attach.js", "app/web/playground.css"]
     excluded_expected = [
         ".venv/bin/python", ".venv/lib/python3.12/site-packages/torch/__init__.py",
         "tests/fast/test_api.py", "tests/conftest.py", ".git/HEAD", ".env",
