@@ -168,8 +168,43 @@ def _llava_next():
     return _sharpen(tf.LlavaNextForConditionalGeneration(config)), processor
 
 
+def _qwen_vl(family: str):
+    """M-RoPE: an image's tokens sit on a (time, height, width) grid of rotary positions and the text after it goes
+    on from the grid's largest position, not from its token count (ImagePrompt.rope, rope_delta); Qwen2.5-VL's
+    vision tower has windowed attention, Qwen2-VL's not. The template writes <|vision_start|><|image_pad|>
+    <|vision_end|> for an image, as the families' own templates do."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+    tok.chat_template = TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = tok.convert_tokens_to_ids
+    text = dict(vocab_size=len(tok), **{k: v for k, v in TEXT.items() if k != "head_dim"},
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        vision |= dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, fullatt_block_indexes=[1],
+                       window_size=32)
+        config_class, model_class, processor_name = (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration,
+                                                     "Qwen2_5_VLProcessor")
+    else:
+        vision |= dict(embed_dim=32, mlp_ratio=2, hidden_size=64)  # Qwen2-VL: hidden_size is the merger's output
+        config_class, model_class, processor_name = (tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration,
+                                                     "Qwen2VLProcessor")
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                          video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                          vision_end_token_id=ids("<|vision_end|>"))
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    processor = processor_class(processor_name)(image_processor=images, tokenizer=tok, video_processor=None,
+                                                chat_template=tok.chat_template)
+    torch.manual_seed(2)  # a seed whose tiny model answers two test pictures differently (seed 0's did not)
+    return _sharpen(model_class(config)), processor
+
+
 FAMILIES = {"llava": _llava, "mistral3": _mistral3, "idefics3": _idefics3, "llava_onevision": _llava_onevision,
-            "internvl": _internvl, "llava_next": _llava_next}
+            "internvl": _internvl, "llava_next": _llava_next, "qwen2_5_vl": lambda: _qwen_vl("qwen2_5_vl"),
+            "qwen2_vl": lambda: _qwen_vl("qwen2_vl")}
 
 
 def build(family: str):

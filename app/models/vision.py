@@ -11,9 +11,11 @@ is text generation, so the server splits the model there:
   `ImagePrompt`, rides with the request: the prompt positions of its placeholders and their embeddings, which the
   pass writes over those positions' token embeddings (app/core/runner/forward.py), exactly as the VLM's forward does.
 
-Where a family's language model needs more than that, the packed path would not be exact, so it is refused at start
-(`unserved_vision`): Qwen2-VL's family places each token with 3 rotary positions (M-RoPE), Gemma 3 lets an image's
-tokens attend to each other both ways during prefill.
+Qwen2-VL's family places tokens with 3 rotary positions each (M-RoPE: an image's tokens on a time x height x
+width grid, the text after it going on from the grid's largest position): the model's own `get_rope_index` places
+a prompt once, at encode, and the pass feeds those positions (`ImagePrompt.rope`, app/core/runner/forward.py); later
+tokens sit at their index + `rope_delta`, as generate() places them. Where a family needs more than these, the
+packed path would not be exact, so it is refused at start (`UNSERVED`).
 
 The prefix cache keys a prompt by its token ids, and every image's placeholders are the same ids: `ImagePrompt.keys`
 puts each image's digest (of its decoded pixels) in place of its placeholders, so the same image reuses its KV and a
@@ -22,7 +24,8 @@ different one never does.
 Served families (tests/vision_models.py builds each, tests/fast/test_vision.py checks generate's tokens): LLaVA,
 LLaVA-NeXT and LLaVA-OneVision (anyres tiles; their learned row-newline embeddings are image tokens, which
 `get_image_features` returns packed in the prompt's order), Mistral 3 (Pixtral: row-break tokens between an image's
-rows, so several placeholder runs per image), Idefics3 (SmolVLM's architecture: tiles behind row/col tags), InternVL.
+rows, so several placeholder runs per image), Idefics3 (SmolVLM's architecture: tiles behind row/col tags), InternVL,
+Qwen2-VL and Qwen2.5-VL (M-RoPE).
 
 torchvision is not installed here, and some processors want it: those that also take video (LLaVA-OneVision's,
 InternVL's) check for a video processor that needs it, and Pixtral's imports a helper from its torchvision image
@@ -34,6 +37,7 @@ processor's module. `processor_class` gives classes built without it, and where 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -47,10 +51,8 @@ log = logging.getLogger("app.models.vision")
 
 # model_type -> why the packed path would not serve it exactly (a sentence naming what it has)
 UNSERVED = {
-    "qwen2_vl": "multimodal rotary positions (M-RoPE: 3 position ids per token)",
-    "qwen2_5_vl": "multimodal rotary positions (M-RoPE: 3 position ids per token)",
-    "qwen3_vl": "multimodal rotary positions (M-RoPE: 3 position ids per token)",
-    "qwen3_vl_moe": "multimodal rotary positions (M-RoPE: 3 position ids per token)",
+    "qwen3_vl": "deepstack (image features added into the first decoder layers' hidden states)",
+    "qwen3_vl_moe": "deepstack (image features added into the first decoder layers' hidden states)",
     "gemma3": "bidirectional attention among an image's tokens during prefill",
     "gemma3n": "bidirectional attention among an image's tokens during prefill",
 }
@@ -66,7 +68,7 @@ def unserved_vision(config) -> str | None:
     why = UNSERVED.get(config.model_type)
     if why is not None:
         return (f"{config.model_type} has {why}, which the packed batch path does not serve exactly; vision models "
-                "served: LLaVA-style families whose language model takes ordinary positions and a causal mask")
+                "served: those whose language model takes 1-D or M-RoPE positions and a causal mask")
     if image_token_id(config) is None:
         return f"{config.model_type} names no image token id in its config"
     return None
@@ -86,6 +88,10 @@ class ImagePrompt:
     positions: torch.Tensor  # [n_image_tokens] long, ascending: prompt indices of the placeholder tokens
     embeds: torch.Tensor  # [n_image_tokens, hidden] in the model's dtype, in the positions' order
     owners: list[str]  # [n_image_tokens]: the digest of the image each placeholder belongs to
+    # M-RoPE (Qwen2-VL's family): each prompt token's 3 rotary positions (time, height, width) [3, prompt_len], and
+    # how far the positions after the prompt are from the token index (the images took fewer positions than tokens)
+    rope: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -99,6 +105,13 @@ class ImagePrompt:
             index = seen[owner] = seen.get(owner, -1) + 1
             keys[position] = (owner, index)
         return keys
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start]: the rotary positions of token indices [start, end): the prompt's as the model placed
+        them, and each later token at its index + rope_delta, as HF's generate() places it."""
+        prompt_len = self.rope.shape[1]
+        later = torch.arange(max(start, prompt_len), max(end, prompt_len)) + self.rope_delta
+        return torch.cat([self.rope[:, start:min(end, prompt_len)], later.expand(3, -1)], dim=1)
 
     def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The placeholders among prompt positions [start, end): (their offsets from `start`, their embeddings)."""
@@ -114,6 +127,10 @@ class VisionEncoder:
         self.image_token_id = image_token_id(vlm.config)
         # the processor's outputs that get_image_features takes (pixel_values, image_sizes, pixel_attention_mask...)
         self._feature_args = set(inspect.signature(vlm.model.get_image_features).parameters)
+        # M-RoPE: the model places a prompt's tokens itself (get_rope_index), from the processor's outputs
+        rope_index = getattr(vlm.model, "get_rope_index", None)
+        self._rope_index = rope_index
+        self._rope_args = set(inspect.signature(rope_index).parameters) - {"input_ids"} if rope_index else set()
 
     def encode(self, prompt: str, images: Sequence[Any], digests: Sequence[str],
                max_image_tokens: int) -> tuple[list[int], ImagePrompt]:
@@ -137,7 +154,12 @@ class VisionEncoder:
         if len(embeds) != len(positions):
             raise InvalidRequest(f"the prompt has {len(positions)} image placeholder tokens but its images gave "
                                  f"{len(embeds)} features; write no image token in the text", param="messages")
-        return ids.tolist(), ImagePrompt(positions, embeds, _owners(ids, positions, digests))
+        image_prompt = ImagePrompt(positions, embeds, _owners(ids, positions, digests))
+        if self._rope_index is not None:
+            rope_inputs = {k: v.to(self.vlm.device) for k, v in inputs.items() if k in self._rope_args}
+            rope, delta = self._rope_index(ids[None].to(self.vlm.device), **rope_inputs)  # [3, 1, n], [1, 1]
+            image_prompt.rope, image_prompt.rope_delta = rope[:, 0].cpu(), int(delta.reshape(-1)[0])
+        return ids.tolist(), image_prompt
 
 
 def _owners(ids: torch.Tensor, positions: torch.Tensor, digests: Sequence[str]) -> list[str]:
@@ -163,11 +185,19 @@ def text_model(vlm) -> torch.nn.Module:
 
     text_config = vlm.config.get_text_config(decoder=True)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(text_config, dtype=vlm.dtype)
+        if (holder := _HOLDERS.get(text_config.model_type)) is not None:
+            lm = getattr(importlib.import_module("transformers"), holder)(text_config)
+        else:
+            lm = AutoModelForCausalLM.from_config(text_config, dtype=vlm.dtype)
     lm.model = vlm.get_decoder()  # `language_model` in most families, `text_model` in Idefics3's
     lm.lm_head = vlm.lm_head
     lm.generation_config = vlm.generation_config
     return lm.eval()
+
+
+# text model types transformers maps to no *ForCausalLM (Qwen2-VL's): a class whose shell holds the decoder and
+# lm_head; only its `model`, `lm_head` and `config` are used, and its config is the text model's own
+_HOLDERS = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 
 
 def processor_class(name: str):
@@ -177,7 +207,6 @@ def processor_class(name: str):
       processor's module is imported, and only then;
     - a processor that also takes video (LLaVA-OneVision's, InternVL's) checks its video processor against a class
       that needs torchvision: the class returned takes None there (this server takes images, never video)."""
-    import importlib
     import sys
 
     from transformers.models.auto.processing_auto import processor_class_from_name

@@ -73,6 +73,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     _write_images(model, inputs, work, items, spans)  # a prompt chunk with image placeholders: their embeddings
+    _rope_positions(inputs, work, items, device)  # M-RoPE: each token's 3 rotary positions, where a row has them
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
     with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device, invariant):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]
@@ -96,6 +97,22 @@ def _write_images(model, inputs: dict, work, items, spans) -> None:
         inputs["inputs_embeds"] = embeds
 
 
+def _rope_positions(inputs: dict, work, items, device: torch.device) -> None:
+    """Qwen2-VL's family places a prompt's image tokens on a grid (3 rotary positions a token) and every later token
+    at its index + a delta (app/models/vision.py's ImagePrompt): where any row has such positions, every row's go
+    in as [3, 1, T]; a text row's 3 are its index, as the model itself expands a 2-D position_ids."""
+    if not any(getattr(getattr(seq, "images", None), "rope", None) is not None for seq, _ in work):
+        return
+    rows = []
+    for (seq, _), (tokens, start) in zip(work, items):
+        images = getattr(seq, "images", None)
+        if images is not None and images.rope is not None:
+            rows.append(images.rope_positions(start, start + len(tokens)))
+        else:
+            rows.append(torch.arange(start, start + len(tokens)).expand(3, -1))
+    inputs["position_ids"] = torch.cat(rows, dim=1)[:, None, :].to(device)  # [3, 1, T_total]
+
+
 def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
              compiled=None, invariant: bool = False) -> tuple[torch.Tensor, str]:
     """The dispatcher for every serving pass: (logits as `forward` returns them, the path that ran them).
@@ -105,7 +122,9 @@ def run_pass(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None
     of its own rather than failing the pass) and the pass runs eagerly."""
     if compiled is not None:
         # the compiled step is traced without adapters: a pass with an adapter row runs eagerly
-        if all(n == 1 and not seq.prefilling and getattr(seq, "adapter", None) is None for seq, n in work):
+        # ... and without M-RoPE rows, whose positions are not their indices (app/models/vision.py)
+        if all(n == 1 and not seq.prefilling and getattr(seq, "adapter", None) is None
+               and getattr(getattr(seq, "images", None), "rope", None) is None for seq, n in work):
             logits = compiled.run([seq for seq, _ in work])  # None: it cannot take this pass
             if logits is not None:
                 return logits, compiled.path
