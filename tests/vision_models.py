@@ -182,7 +182,14 @@ def _qwen_vl(family: str):
     text = dict(vocab_size=len(tok), **{k: v for k, v in TEXT.items() if k != "head_dim"},
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
     vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
-    if family == "qwen2_5_vl":
+    if family == "qwen3_vl":  # deepstack: 2 vision layers' features added to the first 2 decoder layers' output
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        del text["rope_scaling"]
+        vision |= dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=64,
+                       deepstack_visual_indexes=[0, 1])
+        config_class, model_class, processor_name = (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration,
+                                                     "Qwen3VLProcessor")
+    elif family == "qwen2_5_vl":
         vision |= dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, fullatt_block_indexes=[1],
                        window_size=32)
         config_class, model_class, processor_name = (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration,
@@ -204,7 +211,7 @@ def _qwen_vl(family: str):
 
 FAMILIES = {"llava": _llava, "mistral3": _mistral3, "idefics3": _idefics3, "llava_onevision": _llava_onevision,
             "internvl": _internvl, "llava_next": _llava_next, "qwen2_5_vl": lambda: _qwen_vl("qwen2_5_vl"),
-            "qwen2_vl": lambda: _qwen_vl("qwen2_vl")}
+            "qwen2_vl": lambda: _qwen_vl("qwen2_vl"), "qwen3_vl": lambda: _qwen_vl("qwen3_vl")}
 
 
 def build(family: str):

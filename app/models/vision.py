@@ -14,7 +14,9 @@ is text generation, so the server splits the model there:
 Qwen2-VL's family places tokens with 3 rotary positions each (M-RoPE: an image's tokens on a time x height x
 width grid, the text after it going on from the grid's largest position): the model's own `get_rope_index` places
 a prompt once, at encode, and the pass feeds those positions (`ImagePrompt.rope`, app/core/runner/forward.py); later
-tokens sit at their index + `rope_delta`, as generate() places them. Where a family needs more than these, the
+tokens sit at their index + `rope_delta`, as generate() places them. Qwen3-VL adds deepstack: features of earlier
+vision layers added to the first decoder layers' outputs at the placeholders (`ImagePrompt.deepstack`, which the
+pass hands the text model as its `visual_pos_masks` and `deepstack_visual_embeds`). Where a family needs more, the
 packed path would not be exact, so it is refused at start (`UNSERVED`).
 
 The prefix cache keys a prompt by its token ids, and every image's placeholders are the same ids: `ImagePrompt.keys`
@@ -25,7 +27,7 @@ Served families (tests/vision_models.py builds each, tests/fast/test_vision.py c
 LLaVA-NeXT and LLaVA-OneVision (anyres tiles; their learned row-newline embeddings are image tokens, which
 `get_image_features` returns packed in the prompt's order), Mistral 3 (Pixtral: row-break tokens between an image's
 rows, so several placeholder runs per image), Idefics3 (SmolVLM's architecture: tiles behind row/col tags), InternVL,
-Qwen2-VL and Qwen2.5-VL (M-RoPE).
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE; Qwen3-VL's deepstack).
 
 torchvision is not installed here, and some processors want it: those that also take video (LLaVA-OneVision's,
 InternVL's) check for a video processor that needs it, and Pixtral's imports a helper from its torchvision image
@@ -37,7 +39,6 @@ processor's module. `processor_class` gives classes built without it, and where 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -51,11 +52,13 @@ log = logging.getLogger("app.models.vision")
 
 # model_type -> why the packed path would not serve it exactly (a sentence naming what it has)
 UNSERVED = {
-    "qwen3_vl": "deepstack (image features added into the first decoder layers' hidden states)",
     "qwen3_vl_moe": "deepstack (image features added into the first decoder layers' hidden states)",
-    "gemma3": "bidirectional attention among an image's tokens during prefill",
-    "gemma3n": "bidirectional attention among an image's tokens during prefill",
+    "gemma3n": "per-layer input embeddings looked up from the prompt's token ids beside its embeddings",
 }
+# model types whose image tokens attend to each other both ways during prefill: each run of consecutive placeholders
+# is one group, as Gemma 3's forward groups them (`token_type_ids` runs); the pass masks them so
+# (app/core/runner/image_groups.py)
+BIDIRECTIONAL = {"gemma3"}
 
 
 def is_vision(config) -> bool:
@@ -92,6 +95,12 @@ class ImagePrompt:
     # how far the positions after the prompt are from the token index (the images took fewer positions than tokens)
     rope: torch.Tensor | None = None
     rope_delta: int = 0
+    # deepstack (Qwen3-VL): per decoder layer it reaches, [n_image_tokens, hidden] added to that layer's output
+    # at the placeholders' positions
+    deepstack: list[torch.Tensor] | None = None
+    # BIDIRECTIONAL families: each group of placeholders that attend to each other both ways, as prompt positions
+    # (first, end); empty where the family's attention is causal
+    groups: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -113,10 +122,16 @@ class ImagePrompt:
         later = torch.arange(max(start, prompt_len), max(end, prompt_len)) + self.rope_delta
         return torch.cat([self.rope[:, start:min(end, prompt_len)], later.expand(3, -1)], dim=1)
 
-    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The placeholders among prompt positions [start, end): (their offsets from `start`, their embeddings)."""
+    def groups_in(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The groups among prompt positions [start, end) (or reaching into them), as offsets from `start`."""
+        return tuple((a - start, b - start) for a, b in self.groups if a < end and b > start)
+
+    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+        """The placeholders among prompt positions [start, end): (their offsets from `start`, their embeddings,
+        their deepstack embeddings per layer or None)."""
         inside = (self.positions >= start) & (self.positions < end)
-        return self.positions[inside] - start, self.embeds[inside]
+        deep = [layer[inside] for layer in self.deepstack] if self.deepstack is not None else None
+        return self.positions[inside] - start, self.embeds[inside], deep
 
 
 class VisionEncoder:
@@ -149,17 +164,28 @@ class VisionEncoder:
         device = self.vlm.device  # the processor's tensors are on the CPU
         pixels = {k: v.to(device, self.dtype) if v.is_floating_point() else v.to(device) for k, v in pixels.items()}
         with torch.inference_mode():
-            features = self.vlm.model.get_image_features(**pixels, return_dict=True).pooler_output
-        embeds = torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).to(self.dtype)
+            out = self.vlm.model.get_image_features(**pixels, return_dict=True)
+        embeds = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]).to(self.dtype)
         if len(embeds) != len(positions):
             raise InvalidRequest(f"the prompt has {len(positions)} image placeholder tokens but its images gave "
                                  f"{len(embeds)} features; write no image token in the text", param="messages")
         image_prompt = ImagePrompt(positions, embeds, _owners(ids, positions, digests))
+        if self.vlm.config.model_type in BIDIRECTIONAL:
+            image_prompt.groups = _runs(positions)
+        if (deep := getattr(out, "deepstack_features", None)) is not None:  # per layer, per image
+            image_prompt.deepstack = [torch.cat(list(layer)).to(self.dtype) for layer in deep]
         if self._rope_index is not None:
             rope_inputs = {k: v.to(self.vlm.device) for k, v in inputs.items() if k in self._rope_args}
             rope, delta = self._rope_index(ids[None].to(self.vlm.device), **rope_inputs)  # [3, 1, n], [1, 1]
             image_prompt.rope, image_prompt.rope_delta = rope[:, 0].cpu(), int(delta.reshape(-1)[0])
         return ids.tolist(), image_prompt
+
+
+def _runs(positions: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Each run of consecutive placeholder positions, as (first, end)."""
+    breaks = (positions[1:] != positions[:-1] + 1).nonzero()[:, 0].tolist()
+    firsts, lasts = [0] + [b + 1 for b in breaks], breaks + [len(positions) - 1]
+    return tuple((int(positions[f]), int(positions[l]) + 1) for f, l in zip(firsts, lasts)) if len(positions) else ()
 
 
 def _owners(ids: torch.Tensor, positions: torch.Tensor, digests: Sequence[str]) -> list[str]:
@@ -185,8 +211,8 @@ def text_model(vlm) -> torch.nn.Module:
 
     text_config = vlm.config.get_text_config(decoder=True)
     with torch.device("meta"):
-        if (holder := _HOLDERS.get(text_config.model_type)) is not None:
-            lm = getattr(importlib.import_module("transformers"), holder)(text_config)
+        if text_config.model_type in _SHELLED:
+            lm = _shell(text_config)
         else:
             lm = AutoModelForCausalLM.from_config(text_config, dtype=vlm.dtype)
     lm.model = vlm.get_decoder()  # `language_model` in most families, `text_model` in Idefics3's
@@ -195,9 +221,19 @@ def text_model(vlm) -> torch.nn.Module:
     return lm.eval()
 
 
-# text model types transformers maps to no *ForCausalLM (Qwen2-VL's): a class whose shell holds the decoder and
-# lm_head; only its `model`, `lm_head` and `config` are used, and its config is the text model's own
-_HOLDERS = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+# text model types transformers maps to no *ForCausalLM (Qwen2-VL's family): held by `_shell`
+_SHELLED = {"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"}
+
+
+def _shell(text_config):
+    """A *ForCausalLM with no layers of its own, given the text model's config: only its `model`, `lm_head` and
+    `config` are ever used, and the caller puts the VLM's decoder and lm_head in it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=1, hidden_size=8, intermediate_size=8, num_hidden_layers=0,
+                                      num_attention_heads=1, num_key_value_heads=1))
+    lm.config = text_config
+    return lm
 
 
 def processor_class(name: str):
@@ -207,6 +243,7 @@ def processor_class(name: str):
       processor's module is imported, and only then;
     - a processor that also takes video (LLaVA-OneVision's, InternVL's) checks its video processor against a class
       that needs torchvision: the class returned takes None there (this server takes images, never video)."""
+    import importlib
     import sys
 
     from transformers.models.auto.processing_auto import processor_class_from_name

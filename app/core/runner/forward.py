@@ -83,18 +83,27 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
 
 def _write_images(model, inputs: dict, work, items, spans) -> None:
     """Where a row feeds image placeholders of its prompt, feed embeddings instead of ids: the tokens' own, with the
-    image's features written over the placeholders, as the VLM's forward does (app/models/vision.py)."""
+    image's features written over the placeholders, as the VLM's forward does (app/models/vision.py). Deepstack
+    (Qwen3-VL): the placeholders' positions in the pass and, per layer, what each adds to that layer's output."""
     chunks = []
     for (seq, _), (tokens, start), (offset, _) in zip(work, items, spans):
         if getattr(seq, "images", None) is not None and start < seq.prompt_len:
-            at, embeds = seq.images.chunk(start, start + len(tokens))  # [k] offsets in the chunk, [k, hidden]
+            at, embeds, deep = seq.images.chunk(start, start + len(tokens))  # [k] offsets, [k, hidden], per layer
             if len(at):
-                chunks.append((offset + at, embeds))
-    if chunks:
-        embeds = model.get_input_embeddings()(inputs.pop("input_ids"))  # [1, T_total, hidden]
-        for at, values in chunks:
-            embeds[0, at.to(embeds.device)] = values.to(embeds.device, embeds.dtype)
-        inputs["inputs_embeds"] = embeds
+                chunks.append((offset + at, embeds, deep))
+    if not chunks:
+        return
+    embeds = model.get_input_embeddings()(inputs.pop("input_ids"))  # [1, T_total, hidden]
+    for at, values, _ in chunks:
+        embeds[0, at.to(embeds.device)] = values.to(embeds.device, embeds.dtype)
+    inputs["inputs_embeds"] = embeds
+    if chunks[0][2] is not None:  # the chunks in the pass's order, each ascending: as the mask indexes them
+        mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)  # [1, T_total]
+        for at, _, _ in chunks:
+            mask[0, at.to(embeds.device)] = True
+        inputs["visual_pos_masks"] = mask
+        inputs["deepstack_visual_embeds"] = [torch.cat([deep[i] for _, _, deep in chunks]).to(embeds.device)
+                                             for i in range(len(chunks[0][2]))]
 
 
 def _rope_positions(inputs: dict, work, items, device: torch.device) -> None:
