@@ -209,9 +209,39 @@ def _qwen_vl(family: str):
     return _sharpen(model_class(config)), processor
 
 
+def _gemma3():
+    """An image is 16 soft tokens (4x4 patches, no pooling) between <start_of_image> and <end_of_image>, which attend
+    to each other both ways during prefill; sliding-window layers of 8, shorter than an image and than the prompts.
+    Its projection starts at zeros (an image would change nothing): drawn at random here."""
+    import transformers as tf
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = _tokenizer("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    # what a real Gemma 3 tokenizer_config.json names, which its processor reads
+    tok._set_model_specific_special_tokens({"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                                            "eoi_token": "<end_of_image>"})
+    text = {k: v for k, v in TEXT.items() if k != "tie_word_embeddings"}
+    config = tf.Gemma3Config(
+        vision_config=tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=tf.Gemma3TextConfig(vocab_size=len(tok), sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"], **text),
+        mm_tokens_per_image=16, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id, tie_word_embeddings=False)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = tf.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=16,
+                                   chat_template=tok.chat_template)
+    torch.manual_seed(0)
+    vlm = tf.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        vlm.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.2)
+    return _sharpen(vlm), processor
+
+
 FAMILIES = {"llava": _llava, "mistral3": _mistral3, "idefics3": _idefics3, "llava_onevision": _llava_onevision,
             "internvl": _internvl, "llava_next": _llava_next, "qwen2_5_vl": lambda: _qwen_vl("qwen2_5_vl"),
-            "qwen2_vl": lambda: _qwen_vl("qwen2_vl"), "qwen3_vl": lambda: _qwen_vl("qwen3_vl")}
+            "qwen2_vl": lambda: _qwen_vl("qwen2_vl"), "qwen3_vl": lambda: _qwen_vl("qwen3_vl"),
+            "gemma3": _gemma3}
 
 
 def build(family: str):

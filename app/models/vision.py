@@ -27,7 +27,8 @@ Served families (tests/vision_models.py builds each, tests/fast/test_vision.py c
 LLaVA-NeXT and LLaVA-OneVision (anyres tiles; their learned row-newline embeddings are image tokens, which
 `get_image_features` returns packed in the prompt's order), Mistral 3 (Pixtral: row-break tokens between an image's
 rows, so several placeholder runs per image), Idefics3 (SmolVLM's architecture: tiles behind row/col tags), InternVL,
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE; Qwen3-VL's deepstack).
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE; Qwen3-VL's deepstack), Gemma 3 (an image's tokens see each
+other both ways in prefill: app/core/runner/image_groups.py).
 
 torchvision is not installed here, and some processors want it: those that also take video (LLaVA-OneVision's,
 InternVL's) check for a video processor that needs it, and Pixtral's imports a helper from its torchvision image
@@ -71,7 +72,8 @@ def unserved_vision(config) -> str | None:
     why = UNSERVED.get(config.model_type)
     if why is not None:
         return (f"{config.model_type} has {why}, which the packed batch path does not serve exactly; vision models "
-                "served: those whose language model takes 1-D or M-RoPE positions and a causal mask")
+                "served: those whose language model takes 1-D or M-RoPE positions and a causal mask, or Gemma 3's "
+                "image runs")
     if image_token_id(config) is None:
         return f"{config.model_type} names no image token id in its config"
     return None

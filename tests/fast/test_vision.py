@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from app.core.engine.prefix_cache import keeps_all_keys
 from app.core.sampling import SamplingParams
 from app.errors import InvalidRequest
 from app.models.loading import LoadedModel, load_model
@@ -77,7 +78,8 @@ def test_the_prefix_cache_reuses_an_image_only_for_the_same_pixels(family):
     # the second prompt has the same ids but another image: nothing from its first placeholder on may be reused
     assert other.cached_tokens <= positions[0]
     assert other.tokens == reference(vlm, processor, prompt, [blue])
-    assert again.cached_tokens > positions[-1]  # the same image: its KV is reused
+    full = keeps_all_keys(lm.model.config)  # sliding-window layers (Gemma 3): no prefix cache, as for text models
+    assert again.cached_tokens > positions[-1] if full else again.cached_tokens == 0  # the same image: KV reused
     assert again.tokens == first.tokens
 
 
@@ -124,7 +126,7 @@ def test_too_many_image_tokens_is_a_400_naming_the_bound(family):
                          max_image_tokens=3)
 
 
-@pytest.mark.parametrize("model_type,named", [("gemma3", "bidirectional")])
+@pytest.mark.parametrize("model_type,named", [("qwen3_vl_moe", "deepstack"), ("gemma3n", "per-layer")])
 def test_families_the_packed_path_cannot_serve_exactly_are_refused_naming_what_they_have(model_type, named):
     import transformers as tf
 
@@ -139,3 +141,87 @@ def test_a_vision_model_is_refused_with_quantized_weights_or_tensor_parallel():
     assert "QUANT=int8" in vision_problem(config, "int8", 1)
     assert "TENSOR_PARALLEL" in vision_problem(config, "none", 2)
     assert vision_problem(tf.LlamaConfig(), "int8", 2) is None  # a text model: not this check's business
+
+
+# Gemma 3: the tokens of one image attend to each other both ways during prefill (app/core/runner/image_groups.py)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    vlm, processor = build("gemma3")
+    tok = processor.tokenizer
+    lm = LoadedModel(model=text_model(vlm), tokenizer=tok, name="gemma3", max_context=512, eos_ids=(tok.eos_token_id,),
+                     vision=VisionEncoder(vlm, processor, torch.float32))
+    return vlm, processor, lm
+
+
+def test_gemma3s_packed_mask_is_the_one_its_forward_builds_on_full_and_sliding_layers(gemma3):
+    """The packed pass's mask for a prompt with an image is the one Gemma 3's forward builds from token_type_ids:
+    causal OR same image on full-attention layers, the window AND that on sliding ones (an image of 16 tokens is
+    longer than the window of 8: the window still cuts its far past), and it is not the causal mask."""
+    from transformers.models.gemma3.modeling_gemma3 import (create_masks_for_vision_model,
+                                                            get_block_sequence_ids_for_mask)
+
+    from app.core.runner.packed import PackedCaches
+
+    vlm, processor, lm = gemma3
+    prompt, images = chat(lm.tokenizer, "compare them", images=2), [picture(1), picture(2)]
+    inputs = processor(text=[prompt], images=[images], return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+    theirs = create_masks_for_vision_model(config=vlm.config.text_config, inputs_embeds=torch.zeros(1, n, 64),
+                                           attention_mask=None, cache=None, position_ids=torch.arange(n)[None],
+                                           block_sequence_ids=get_block_sequence_ids_for_mask(inputs["token_type_ids"]))
+    _, image_prompt = lm.vision.encode(prompt, images, ["a", "b"], max_image_tokens=10_000)
+    assert len(image_prompt.groups) == 2 and all(b - a == 16 for a, b in image_prompt.groups)
+    step = PackedCaches([], [(0, n)], torch.device("cpu"), groups=[image_prompt.groups_in(0, n)])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for kind, window in (("full_attention", None), ("sliding_attention", 8)):
+        ours = step.chunk_mask(n, n, window, step.groups[0])
+        assert torch.equal(ours, theirs[kind]), kind
+        assert not torch.equal(ours[0, 0], causal & ~causal.tril(-window if window else -n))
+
+
+def test_a_prefill_chunk_ends_before_an_image_it_would_cut_or_past_it_when_the_image_starts_it():
+    """Chunks never split an image's tokens (a query could not see the keys not fed yet): the chunk ends before the
+    image, within the step's budget; where the image starts the chunk, it takes all of it, over the budget, so an
+    image longer than the budget still moves on. Under BATCH_INVARIANT the end is also a multiple of 16."""
+    from app.core.engine.step import keep_groups_whole
+
+    runs = ((7, 23), (30, 46))  # two images' tokens, in a prompt of 60
+    assert keep_groups_whole(5, 0, 60, runs) == 5  # cuts nothing
+    assert keep_groups_whole(12, 0, 60, runs) == 7  # would end inside the first: ends before it
+    assert keep_groups_whole(5, 7, 60, runs) == 16  # the first starts the chunk: all of it
+    assert keep_groups_whole(40, 0, 60, runs) == 30  # ends before the second
+    assert keep_groups_whole(60, 0, 60, runs) == 60
+    assert keep_groups_whole(16, 0, 60, runs, piece=16) == 48  # 16 and 32 are inside images: past both, to 48
+    assert keep_groups_whole(40, 0, 60, runs, piece=16) == 48
+    assert keep_groups_whole(50, 10, 60, runs, piece=16) == 50  # the prompt's end needs no piece
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["packed", "batch-invariant"])
+def test_gemma3_gets_generates_tokens_where_a_causal_mask_would_not_in_every_pass_and_chunking(gemma3, invariant):
+    """One image and two images, alone (the solo pass, HF's own masks) and amid text requests (the packed pass),
+    with the whole prompt in one step and in steps of 5 or 12 tokens, which would cut the images (16 tokens at
+    prompt positions 7 to 23); under BATCH_INVARIANT, in 16-token pieces whose keys run on to their image's end."""
+    import dataclasses
+
+    vlm, processor, lm = gemma3
+    lm = dataclasses.replace(lm, batch_invariant=invariant)
+    one, two = chat(lm.tokenizer, "what is in this picture?"), chat(lm.tokenizer, "compare them", images=2)
+    red, blue = picture(1), picture(2, size=(60, 30))
+    want = [reference(vlm, processor, one, [blue]), reference(vlm, processor, two, [red, blue])]
+    for prompt, images, tokens in ((one, [blue], want[0]), (two, [red, blue], want[1])):
+        inputs = processor(text=[prompt], images=[images], return_tensors="pt")
+        causal = {k: v for k, v in inputs.items() if k != "token_type_ids"}  # generate() then masks causally
+        out = vlm.generate(**causal, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert out[0, inputs["input_ids"].shape[1]:].tolist() != tokens  # a causal pass could not pass this test
+    images = [request(lm, one, [blue], ["blue"]), request(lm, two, [red, blue], ["red", "blue"])]
+    assert images[0][2].groups == ((7, 23),)
+    text = [(lm.tokenizer.encode(t), GREEDY) for t in ("hello there", "a longer text-only prompt")]
+    for budget in (None, 5, 12):
+        for image, tokens in zip(images, want):
+            (alone,), _ = run_engine(lm, [image], prefix_cache_bytes=0, prefill_tokens_per_step=budget)
+            assert alone.tokens == tokens, budget
+        seen, _ = run_engine(lm, [text[0], *images, text[1]], together=True, prefix_cache_bytes=0,
+                             prefill_tokens_per_step=budget)
+        assert [s.tokens for s in seen[1:3]] == want, budget

@@ -107,6 +107,29 @@ def align_to_pieces(shares: list[int], done: list[int], left: list[int], piece: 
     return aligned
 
 
+def keep_groups_whole(share: int, done: int, prompt_len: int, groups, piece: int = 1) -> int:
+    """A prefill share moved so that its chunk cuts no image run whose tokens see each other both ways (Gemma 3,
+    `ImagePrompt.groups`: a query could not see the keys of the run's tokens not fed yet) and, under BATCH_INVARIANT
+    (`piece` = PIECE), still ends on a piece or at the prompt's end. The chunk ends before the run it would cut, so
+    the step keeps to its budget; where that leaves nothing to feed (the run starts the chunk), it ends after the run,
+    over the budget, so that a run longer than the budget still moves on."""
+    def cut(end: int):  # the run that a chunk ending at `end` would cut
+        return next(((a, b) for a, b in groups if a < end < b), None)
+
+    def fits(end: int) -> bool:
+        return end == prompt_len or (end % piece == 0 and cut(end) is None)
+
+    end = done + share
+    while end > done and not fits(end):  # back: to the run's start, or the piece's
+        end = run[0] if (run := cut(end)) else end // piece * piece
+    if end > done:
+        return end - done
+    end = done + max(share, 1)
+    while not fits(end):  # on: past the run, or to the next piece
+        end = run[1] if (run := cut(end)) else min(prompt_len, (end // piece + 1) * piece)
+    return end - done
+
+
 @dataclass
 class StepRunner:
     """Runs the engine's steps. It keeps no request between steps: each step's batch comes from the engine."""
@@ -152,6 +175,9 @@ class StepRunner:
                   for (_, seq), n in zip(prefilling, share_prefill(self.prefill_tokens_per_step, left))]
         if self.lm.batch_invariant:
             shares = align_to_pieces(shares, done, left)
+        shares = [keep_groups_whole(n, d, seq.prompt_len, seq.images.groups, PIECE if self.lm.batch_invariant else 1)
+                  if n > 0 and getattr(seq.images, "groups", ()) else n
+                  for (_, seq), n, d in zip(prefilling, shares, done)]
         chunks = {handle: n for (handle, _), n in zip(prefilling, shares)}
         work = []
         for handle, seq in running:

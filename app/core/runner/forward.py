@@ -33,6 +33,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from app.core.runner.image_groups import row_groups, solo_masks
 from app.core.runner.kv_pool import POOLED
 from app.core.runner.packed import (PACKED, PACKED_EAGER, PACKED_STEP, PackedCaches, attention_windows, decode_matmuls, latent_kv,
                                     packed_inputs)
@@ -54,6 +55,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
     for seq, n in work:
         cached = seq.cache.get_seq_length()
         items.append((seq.token_ids[0, cached : cached + n], cached))  # ([n] token ids, first position)
+    groups = [row_groups(seq, start, len(tokens)) for (seq, _), (tokens, start) in zip(work, items)]  # Gemma 3
     int8 = getattr(work[0][0].cache, "int8", False)  # an 8-bit cache: one row packs too, to read it where it lies
     if len(work) == 1 and not (engine_pass and packed and (invariant or int8 or decode_matmuls(device, model.dtype))):
         (seq, _), ((tokens, start),) = work[0], items  # the solo pass: the row's own cache, no mask to build
@@ -69,11 +71,13 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)] if invariant else None
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
                                        latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill,
-                                       views=model.config._attn_implementation == PACKED)
+                                       views=model.config._attn_implementation == PACKED, groups=groups)
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     _write_images(model, inputs, work, items, spans)  # a prompt chunk with image placeholders: their embeddings
     _rope_positions(inputs, work, items, device)  # M-RoPE: each token's 3 rotary positions, where a row has them
+    if groups[0] and not isinstance(inputs["cache"], PackedCaches):  # the solo pass over image tokens that see
+        inputs["attention_mask"] = solo_masks(model, inputs, groups[0], items[0][1])  # each other both ways
     adapters = [getattr(seq, "adapter", None) for seq, _ in work]  # each row's LoRA adapter, None: the base's
     with batch_rows() if engine_pass else nullcontext(), adapter_rows(adapters, spans, device, invariant):
         hidden = model.model(**inputs, use_cache=True).last_hidden_state  # [1, T_total, hidden]

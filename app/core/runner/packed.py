@@ -90,11 +90,13 @@ class PackedCaches:
 
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
                  windows: Sequence[int | None] | None = None, latent: bool = False,
-                 starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None, views: bool = False):
+                 starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None, views: bool = False,
+                 groups: Sequence[tuple] | None = None):
         """`starts` (each request's first absolute position) and `prefill` (whether it feeds prompt tokens): given
         under BATCH_INVARIANT, whose attention calls they fix (app/core/runner/pieces.py). `views`: attention is
         `packed_attention`, which reads an 8-bit cache's decode rows where they lie (QuantizedKV); other calls get
-        dense keys and values."""
+        dense keys and values. `groups`: per request, the image runs its chunk feeds whose tokens see each other
+        both ways (Gemma 3, app/core/runner/image_groups.py), as offsets from its first position."""
         self.caches = list(caches)
         self.latent = latent  # MLA: `update` joins the requests' latents; `lengths` says where to cut them again
         self.lengths: dict[int, list[int]] = {}
@@ -106,7 +108,8 @@ class PackedCaches:
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self._scratch: list[torch.Tensor | None] = [None, None]  # fp32 keys and values for decode rows (`fp32`)
         self.starts = list(starts) if starts is not None else None
-        self.calls = invariant_calls(spans, self.starts, list(prefill)) if starts is not None else None
+        self.groups = [tuple(g) for g in groups] if groups is not None else [()] * len(spans)
+        self.calls = invariant_calls(spans, self.starts, list(prefill), self.groups) if starts is not None else None
         self.views = views and self.calls is None and not latent
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -157,13 +160,14 @@ class PackedCaches:
             self._masks[key] = mask
         return self._masks[key]
 
-    def eager_mask(self, n: int, total: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    def eager_mask(self, n: int, total: int, window: int | None, dtype: torch.dtype, groups: tuple = (),
+                   ahead: int = 0) -> torch.Tensor:
         """Additive mask [1, 1, n, total] as transformers' eager masks are (0 seen, the dtype's min hidden): the
         chunk's causal (and sliding-window) rule spelled out, since eager attention has no causal rule of its
         own."""
-        key = ("eager", n, total, window, dtype)
+        key = ("eager", n, total, window, dtype, groups, ahead)
         if key not in self._masks:
-            seen = self.chunk_mask(n, total, window)
+            seen = self.chunk_mask(n, total, window, groups, ahead)
             if seen is None:
                 ones = torch.ones(n, total, dtype=torch.bool, device=self.decode_rows.device)
                 seen = ones.tril(total - n)[None, None]
@@ -171,20 +175,25 @@ class PackedCaches:
                 ~seen, torch.finfo(dtype).min)
         return self._masks[key]
 
-    def chunk_mask(self, n: int, total: int, window: int | None) -> torch.Tensor | None:
-        """Boolean mask [1, 1, n, total] for a prefill chunk of n queries over `total` keys (its own n last), as
-        HF's causal (and sliding-window) masks say; None where plain causal attention is exactly that."""
+    def chunk_mask(self, n: int, total: int, window: int | None, groups: tuple = (),
+                   ahead: int = 0) -> torch.Tensor | None:
+        """Boolean mask [1, 1, n, total] for a prefill chunk of n queries over `total` keys (its own n last, then
+        `ahead` more), as HF's causal (and sliding-window) masks say; None where plain causal attention is exactly
+        that. `groups`: image runs (first, end), offsets from the first query, whose tokens see each other both ways
+        (Gemma 3), as its forward composes them: (causal OR same run) AND window."""
         if window is not None and window >= total:
             window = None  # the window reaches past every key: it hides nothing
-        if n == total and window is None:
+        if n == total and window is None and not groups:
             return None  # no earlier cache: exactly what a solo prefill passes (no mask, causal)
-        key = ("chunk", n, total, window)
+        key = ("chunk", n, total, window, groups, ahead)
         if key not in self._masks:
             ones = torch.ones(n, total, dtype=torch.bool, device=self.decode_rows.device)
-            # query i sits at key position total - n + i: it sees keys up to there (causal) ...
-            mask = ones.tril(total - n)
+            first = total - ahead - n  # query i sits at key position first + i: it sees keys up to there (causal)
+            mask = ones.tril(first)
+            for a, b in groups:  # ... and every key of its image run, later ones too ...
+                mask[max(a, 0) : b, max(first + a, 0) : first + b] = True
             if window is not None:  # ... and, in a sliding window, only the `window` latest of them
-                mask &= ~ones.tril(total - n - window)
+                mask &= ~ones.tril(first - window)
             self._masks[key] = mask[None, None]
         return self._masks[key]
 
@@ -202,7 +211,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
             if call.as_decode and decode_matmuls(q.device, q.dtype):  # a decode row, as the batched path takes it
                 o = grouped_decode_attention(q, k.float(), v.float(), None, scaling or q.shape[-1] ** -0.5)
                 return o[:, None].to(q.dtype)  # [1, 1, heads, d_v]
-            mask = None if call.as_decode else step.chunk_mask(q.shape[2], k.shape[-2], window)
+            mask = None if call.as_decode else step.chunk_mask(q.shape[2], k.shape[-2], window, call.groups, call.ahead)
             return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
 
         return attend_in_calls(step.calls, step.starts, step.spans, query, key.tensors, value.tensors, window,
@@ -235,7 +244,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     for i in step.chunks:  # each prefill chunk: its own call, unpadded
         start, end = step.spans[i]
         k, v = key.tensors[i], value.tensors[i]
-        mask = step.chunk_mask(end - start, k.shape[-2], window)
+        mask = step.chunk_mask(end - start, k.shape[-2], window, step.groups[i])
         o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling)
         out[:, start:end] = o
     return out, None
@@ -294,7 +303,8 @@ def packed_eager_attention(module, query, key, value, attention_mask, dropout: f
     step, window = key.step, key.window
     if step.calls is not None:  # BATCH_INVARIANT: the same per-request calls, on the eager function
         def attend(q, k, v, call: Call) -> torch.Tensor:
-            mask = step.eager_mask(q.shape[2], k.shape[-2], window, q.dtype)  # a decode row's keys are cut already
+            # a decode row's keys are cut already
+            mask = step.eager_mask(q.shape[2], k.shape[-2], window, q.dtype, call.groups, call.ahead)
             return eager(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
         return attend_in_calls(step.calls, step.starts, step.spans, query, key.tensors, value.tensors, window,
@@ -302,7 +312,7 @@ def packed_eager_attention(module, query, key, value, attention_mask, dropout: f
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
     for i, (start, end) in enumerate(step.spans):
         k, v = key.tensors[i], value.tensors[i]
-        mask = step.eager_mask(end - start, k.shape[-2], window, query.dtype)
+        mask = step.eager_mask(end - start, k.shape[-2], window, query.dtype, step.groups[i])
         out[:, start:end], _ = eager(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
     return out, None

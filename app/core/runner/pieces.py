@@ -16,8 +16,10 @@ instead cuts each request's rows into calls that depend only on absolute positio
                    that position computes it, so a verified token is the one plain decoding gives
 
 A sliding-window layer's call takes only the keys its window shows (the last `window` keys for a row), so its
-shape too depends on positions alone. The calls' keys are contiguous copies: a slice of a longer cache has other
-strides, which a kernel may handle in another order.
+shape too depends on positions alone. Where a piece's queries lie in an image run whose tokens see each other both
+ways (Gemma 3, app/core/runner/image_groups.py), its keys run on to the run's end: the request's own runs, so the
+call is still fixed by the request alone (and the engine never ends a chunk inside a run). The calls' keys are
+contiguous copies: a slice of a longer cache has other strides, which a kernel may handle in another order.
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ class Call:
     first: int
     end: int
     as_decode: bool  # one generated row (decode or verify): no mask, its window applied by cutting its keys
+    groups: tuple = ()  # image runs its queries lie in (Gemma 3), as offsets (first, end) from `first`
+    ahead: int = 0  # keys after `end` its queries see: up to the end of those runs
 
 
-def invariant_calls(spans: list[tuple[int, int]], starts: list[int], prefill: list[bool]) -> list[Call]:
+def invariant_calls(spans: list[tuple[int, int]], starts: list[int], prefill: list[bool],
+                    groups: list[tuple] | None = None) -> list[Call]:
     """The calls for a pass: `spans` each request's rows in the packed pass, `starts` its first absolute position,
-    `prefill` whether it feeds prompt tokens (else its newest token and any drafts)."""
+    `prefill` whether it feeds prompt tokens (else its newest token and any drafts), `groups` the image runs its
+    chunk feeds whose tokens see each other both ways, as offsets from its first position."""
     calls = []
     for i, ((row, row_end), first, prompt) in enumerate(zip(spans, starts, prefill)):
+        runs = [(first + a, first + b) for a, b in (groups[i] if groups else ())]  # absolute positions
         end = first + row_end - row
         if not prompt:
             calls += [Call(i, slice(row + k, row + k + 1), first + k, first + k + 1, True) for k in range(end - first)]
@@ -53,17 +60,20 @@ def invariant_calls(spans: list[tuple[int, int]], starts: list[int], prefill: li
         a = first
         while a < end:  # pieces at absolute multiples of PIECE (a chunk that starts off one is correct, not invariant)
             b = min(end, (a // PIECE + 1) * PIECE)
-            calls.append(Call(i, slice(row + a - first, row + b - first), a, b, False))
+            inside = tuple((x - a, y - a) for x, y in runs if x < b and y > a)
+            ahead = max([0] + [a + y - b for _, y in inside])
+            calls.append(Call(i, slice(row + a - first, row + b - first), a, b, False, inside, ahead))
             a = b
     return calls
 
 
 def call_keys(call: Call, span_end: int, n_keys: int, window: int | None) -> slice:
     """Which of the request's `n_keys` keys (they end at absolute position `span_end`) this call attends to: from
-    position 0, or the window's first position the call's first query sees, up to the call's last query."""
+    position 0, or the window's first position the call's first query sees, up to the call's last query (or the
+    end of the image runs its queries lie in)."""
     offset = span_end - n_keys  # the absolute position of key 0 (a sliding layer's cache keeps only its window)
     low = 0 if window is None else max(0, call.first - window + 1)
-    return slice(max(low - offset, 0), call.end - offset)
+    return slice(max(low - offset, 0), call.end + call.ahead - offset)
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Call], torch.Tensor]
