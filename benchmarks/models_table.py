@@ -41,7 +41,8 @@ FAMILIES = {
                      "Its attention soft-capping runs on its own eager attention function, per request in a "
                      "packed pass (no compiled step); sliding-window layers."),
     "gemma3_text": Family("Gemma 3 (text)", "google/gemma-3-1b-it", 1.0, "pythonic", "none",
-                          "Sliding-window layers. The 4B and larger checkpoints are image-text models: not tested."),
+                          "Sliding-window layers. The 4B and larger checkpoints are image-text models "
+                          "([vision](#vision-models))."),
     "phi3": Family("Phi-3 / Phi-4-mini", "microsoft/Phi-4-mini-instruct", 3.84, "phi4_mini", "none",
                    "Partial rotary."),
     "granite": Family("Granite 3.x", "ibm-granite/granite-3.3-8b-instruct", 8.17, "granite", "granite",
@@ -112,4 +113,31 @@ def expectations_list(runs: list[tuple[str, dict]]) -> str:
                      f"parameters): {exactness(row)}. {FAMILIES[t].expect}" for t, row in run["families"].items())
 
 
-TABLES = {"models": models_table, "model-expectations": expectations_list}
+# keyed by model_type, as tests/fast/test_vision_matrix.py records them (in the record's order): name, checkpoint
+VISION = {"llava": ("LLaVA 1.5", "llava-hf/llava-1.5-7b-hf"), "gemma3": ("Gemma 3", "google/gemma-3-4b-it"),
+          "gemma3n": ("Gemma 3n", "google/gemma-3n-E4B-it"), "internvl": ("InternVL", "OpenGVLab/InternVL3-8B-hf"),
+          "qwen2_vl": ("Qwen2-VL", "Qwen/Qwen2-VL-7B-Instruct"), "qwen3_vl": ("Qwen3-VL", "Qwen/Qwen3-VL-8B-Instruct"),
+          "llava_next": ("LLaVA-NeXT", "llava-hf/llava-v1.6-mistral-7b-hf"),
+          "llava_onevision": ("LLaVA-OneVision", "llava-hf/llava-onevision-qwen2-7b-ov-hf"),
+          "mistral3": ("Mistral 3", "mistralai/Mistral-Small-3.1-24B-Instruct-2503"),
+          "idefics3": ("Idefics3", "HuggingFaceM4/Idefics3-8B-Llama3"),
+          "qwen2_5_vl": ("Qwen2.5-VL", "Qwen/Qwen2.5-VL-7B-Instruct"),
+          "qwen3_vl_moe": ("Qwen3-VL-MoE", "Qwen/Qwen3-VL-30B-A3B-Instruct")}
+
+
+def vision_table(runs: list[tuple[str, dict]]) -> str:
+    """One row per vision family: each check's verdict (its columns in the record's order), or why it is refused."""
+    (name, run), = runs
+    if unknown := sorted(set(run["families"]) - set(VISION)):
+        raise ValueError(f"{name} records {unknown}, which benchmarks/models_table.py's VISION does not name")
+    rows = ["| family (`model_type`) | published checkpoint | alone | amid text | amid image | two images "
+            "| prefix cache | checkpoint dir |", "| --- " * 8 + "|"]
+    for t, row in run["families"].items():
+        cells = [row] + [""] * 5 if isinstance(row, str) else list(row.values())
+        rows.append(f"| {VISION[t][0]} (`{t}`) | `{VISION[t][1]}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows + ["", f"<sub>As [`{name}`](results/{name}) records them: tests/fast/test_vision_matrix.py, "
+                             f"tiny random models in fp32; {run['machine']['cpu']}, {run['date']}, transformers "
+                             f"{run['versions'].get('transformers', '?')}.</sub>"])
+
+
+TABLES = {"models": models_table, "model-expectations": expectations_list, "vision": vision_table}
