@@ -24,7 +24,7 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidRequest(f"{settings.model} is an embedding model: it generates no text; serve it and use "
                              "/v1/embeddings", param="model")
     lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack,
-                    quant=settings.quant, int4_wide_copy=settings.int4_wide_copy,
+                    quant=settings.quant, int4_wide_copy=settings.int4_wide_copy, int4_kernel=settings.int4_kernel,
                     batch_invariant=settings.batch_invariant)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     request["inspect"] = show

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
                                  "4-bit weights, faster there but 2 bytes a weight more memory, more than bf16's "
                                  "own total (the start log gives its bytes); off: every call on the int4 kernel. "
                                  "Ignored with BATCH_INVARIANT on")
+    int4_kernel: Literal["auto", "vnni", "avx2", "reference", "aten"] = Field("auto", description="QUANT=int4's "
+                                 "kernel: auto: ours (int8 activations times the 4-bit weights in integers, built "
+                                 "with the C++ compiler at the first int4 load) on AVX512-VNNI where the CPU has "
+                                 "it, else AVX2; vnni, avx2, reference (plain C++, slow): that path of ours; aten: "
+                                 "torch's int4 kernel (bf16 activations), which is also what runs where ours "
+                                 "cannot be built or the CPU has neither (the start log says why)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "
                                                           "logprobs do not depend on what else is running (each op "
                                                           "computes a row the same way at any batch, LoRA adapters' "

@@ -98,7 +98,8 @@ class ServerState:
             # The engine's own thread loads the model (see Engine for why); we wait without blocking the loop.
             loader = self.lm or partial(load_model, s.model, s.device, s.dtype, s.model_cache, s.max_model_len,
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
-                                         int4_wide_copy=s.int4_wide_copy, batch_invariant=s.batch_invariant,
+                                         int4_wide_copy=s.int4_wide_copy, int4_kernel=s.int4_kernel,
+                                         batch_invariant=s.batch_invariant,
                                          decode_step=s.decode_step, lora=s.lora, kv_cache_dtype=s.kv_cache_dtype)
             if self.kind == "embedding":
                 await self._load_embedding(loader)

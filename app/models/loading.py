@@ -147,7 +147,7 @@ def quant_auto_dtype(quant: str, device: torch.device,
 def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | str = Path.home() / ".cache" / "simple-serve",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
-               tensor_parallel: int = 1, int4_wide_copy: bool = False,
+               tensor_parallel: int = 1, int4_wide_copy: bool = False, int4_kernel: str = "auto",
                batch_invariant: str = "auto", decode_step: str = "eager",
                lora: bool = False, kv_cache_dtype: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
@@ -199,7 +199,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
             model, vision = load_vision(source, kwargs, torch_device, torch_dtype, tokenizer)
         else:  # streamed where it can be, quantized as it loads (app/models/streamed_load.py)
             model = load_weights(source, kwargs, config, torch_device, torch_dtype, quant,
-                                 {"wide_copy": int4_wide_copy, "batch_invariant": invariant, "own_bits": own_bits})
+                                 {"wide_copy": int4_wide_copy, "batch_invariant": invariant, "own_bits": own_bits,
+                                  "int4_kernel": int4_kernel})
     except OSError as err:  # hub id not found, hub unreachable, files missing in a directory
         raise ConfigError(f"could not load model {name_or_path!r}: {err}", param="model") from err
     model.eval()

@@ -46,6 +46,7 @@ from torch import nn
 from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
 from app.models.quant_embedding import Int8Embedding, per_row_int8
+from app.models.int4_decode import Int4Kernel, choose_int4_kernel
 from app.models.quant_int4 import INT4_GROUP, Int4Linear, int4_kernel_missing
 
 log = logging.getLogger("app.models.quant")
@@ -185,7 +186,8 @@ def _dynamic_linear(linear: nn.Linear, engine: str, anchored: bool = False) -> D
 
 
 def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto", engine: str = "auto",
-                     wide_copy: bool = False, batch_invariant: bool = False, dtype: torch.dtype | None = None) -> str:
+                     wide_copy: bool = False, batch_invariant: bool = False, dtype: torch.dtype | None = None,
+                     int4_kernel: str = "auto") -> str:
     """Swap every `nn.Linear` (lm_head included) for an int8 one, in place; returns the int8 kernel used.
     With mode "int4", the decoder's linears whose input splits into groups of INT4_GROUP get 4 bits instead.
     Then nothing of the loaded weights is kept (`keep_own_copies`) and the embedding table is held once
@@ -195,6 +197,7 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
     engine (dynamic only): "auto" (app/models/cpu.py `int8_engine`) or a torch quantized engine by name.
     wide_copy (int4, INT4_WIDE_COPY): a bf16 copy of the 4-bit weights for calls of many rows, where the CPU
     multiplies bf16 natively.
+    int4_kernel (INT4_KERNEL): ours (app/models/int4_decode.py: auto, vnni, avx2, reference) or aten's.
     batch_invariant (BATCH_INVARIANT): dynamic int8 with its anchor row (DynamicInt8Linear), and never int4's
     bf16 copy, which computes a row of a wide call otherwise than the same row alone. Whether each kernel then
     computes a row the same way at any row count is checked after (app/models/invariance.py).
@@ -208,7 +211,8 @@ def quantize_linears(model: nn.Module, mode: str = "int8", kernel: str = "auto",
         raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
     if mode == "none":
         return "none"
-    quantizer = LinearQuantizer(model, mode, kernel, engine, wide_copy, batch_invariant, dtype)
+    quantizer = LinearQuantizer(model, mode, kernel, engine, wide_copy, batch_invariant, dtype,
+                                int4_kernel=int4_kernel)
     tied = tied_head(model)
     _swap_linears(model, quantizer, lambda linear: linear is not tied)
     return finish_quantizing(model, quantizer)
@@ -227,7 +231,7 @@ class LinearQuantizer:
 
     def __init__(self, model: nn.Module, mode: str, kernel: str = "auto", engine: str = "auto",
                  wide_copy: bool = False, batch_invariant: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, int4_kernel: str = "auto"):
         param = next(model.parameters())
         self.dtype, device = dtype or param.dtype, device or param.device
         self.wide_copy, self.batch_invariant, self.bf16 = wide_copy, batch_invariant, cpu_features().native_bf16
@@ -236,8 +240,9 @@ class LinearQuantizer:
         if mode == "int4" and (missing := int4_kernel_missing(device)):
             log.warning("quant=int4: %s; every linear layer reads int8 weights instead", missing)
             mode = "int8"
-        self.int4 = (functools.partial(Int4Linear, wide_bf16=bool(wide_copy and self.bf16 and not batch_invariant))
-                     if mode == "int4" else None)
+        self.int4_kernel = choose_int4_kernel(int4_kernel) if mode == "int4" else None
+        self.int4 = (functools.partial(Int4Linear, wide_bf16=bool(wide_copy and self.bf16 and not batch_invariant),
+                                       kernel=self.int4_kernel) if mode == "int4" else None)
         if kernel == "auto":
             kernel = "dynamic" if dynamic_int8_supported(device, self.dtype) else "weight_only"
         self.kernel, self.why = kernel, "weight-only"
@@ -264,9 +269,8 @@ def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
     four_bits = sum(isinstance(m, Int4Linear) for m in model.modules())
     count = sum(isinstance(m, (DynamicInt8Linear, WeightOnlyInt8Linear)) for m in model.modules())
     if quantizer.int4 is not None:
-        log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (aten's int4 CPU kernel, ATen "
-                 "capability %s, bf16 activations; %s); the lm_head and any other layer read int8", four_bits,
-                 INT4_GROUP, torch.backends.cpu.get_cpu_capability(),
+        log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (%s; %s); the lm_head and any "
+                 "other layer read int8", four_bits, INT4_GROUP, _int4_kernel_note(quantizer.int4_kernel),
                  _wide_copy_note(model, quantizer.wide_copy, quantizer.bf16, quantizer.batch_invariant))
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s%s", count, kernel,
@@ -284,6 +288,14 @@ def quantize_table(model: nn.Module, quantizer: LinearQuantizer) -> int:
         quantizer.head = None
     quantize_embedding(model, quantizer.dtype)
     return quantizer.tied
+
+
+def _int4_kernel_note(kernel: Int4Kernel) -> str:
+    """What the start log says of INT4_KERNEL: which kernel, and why."""
+    if kernel.ours:
+        return f"our int4 x int8 kernel, {kernel.why}"
+    return (f"aten's int4 CPU kernel, ATen capability {torch.backends.cpu.get_cpu_capability()}, bf16 activations: "
+            f"{kernel.why}")
 
 
 def _wide_copy_note(model: nn.Module, asked: bool, bf16: str | None, batch_invariant: bool = False) -> str:
