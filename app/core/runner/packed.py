@@ -49,7 +49,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from app.core.runner.kv_store import QuantizedKV
+from app.core.runner.kv_store import QuantizedKV, fp32_like
 from app.core.runner.pieces import Call, attend_in_calls, invariant_calls
 
 PACKED = "simple_serve_packed"
@@ -142,7 +142,9 @@ class PackedCaches:
         numel = tensor.shape.numel()
         if self._scratch[slot] is None or self._scratch[slot].numel() < numel:
             self._scratch[slot] = torch.empty(numel, dtype=torch.float32, device=self.decode_rows.device)
-        return _write(self._scratch[slot][:numel].view(tensor.shape), tensor)
+        scratch = self._scratch[slot]  # an 8-bit cache's laid out as its codes lie, tokens innermost (`fp32_like`)
+        return _write(fp32_like(tensor.codes, scratch) if isinstance(tensor, QuantizedKV)
+                      else scratch[:numel].view(tensor.shape), tensor)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: the caller passes explicit position ids and its own mask
