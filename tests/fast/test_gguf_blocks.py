@@ -173,21 +173,27 @@ def test_a_gguf_streams_its_4_bit_linears_from_their_own_blocks_and_says_which_w
 
 @pytest.mark.real_model
 @needs_int4
-def test_smollm2s_gguf_served_from_its_own_q4_1_blocks_keeps_most_greedy_tokens_of_its_dequantized_model():
+def test_smollm2s_gguf_served_from_its_own_q4_1_blocks_picks_its_dequantized_models_tokens():
     from app.models.loading import load_model
 
     gguf = fetch_gguf("smollm2-135m-instruct", Path.home() / ".cache" / "simple-serve")
     served = load_model(str(gguf), quant="int4", dtype="float32")
     float_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     assert sum(isinstance(m, Int4Linear) for m in served.model.modules()) == 210  # every Q4_1 linear
-    ids = served.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
-                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    ids = ids["input_ids"]
-    ours = served.model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
-    theirs = float_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
-    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    print(f"greedy tokens agree on the first {agree} of {len(theirs)}")
-    assert agree >= 16, (agree, ours, theirs)
+    # Teacher-forced: at each position of the dequantized model's greedy answer, does ours pick the same token?
+    # (Where the two answers first part is brittle: one near-tie flips it and every later token with it. On our
+    # int4 kernel, whose activations are rounded to int8 blocks as llama.cpp's are, the first part came at the 3rd
+    # to 6th token of these prompts, at aten's bf16-activation kernel at the 6th to 32nd; teacher-forced, both
+    # agreed on 30-32 of 32.)
+    for question in ("Name three colours of the rainbow.", "Write a haiku about the sea.", "What is 12 times 7?"):
+        ids = served.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)["input_ids"]
+        theirs = float_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+        with torch.no_grad():
+            logits = served.model(torch.tensor([ids[0].tolist() + theirs])).logits[0, ids.shape[1] - 1 : -1]
+        agree = sum(a == b for a, b in zip(logits.argmax(-1).tolist(), theirs))
+        print(f"{question!r}: ours picks the dequantized model's token at {agree} of {len(theirs)} positions")
+        assert agree >= 28, (question, agree)
 
 
 @needs_int4
