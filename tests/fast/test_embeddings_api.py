@@ -177,8 +177,12 @@ def test_cross_encoder_server_reranks_by_its_pair_scores_and_gives_no_embeddings
     expected = sentence_transformers.CrossEncoder(str(path), device="cpu").predict([(query, d) for d in docs])
     with ThreadServer(create_app(Settings(model=str(path)), lm=load_model(str(path), device="cpu"))) as server:
         results = post(server, "/v1/rerank", query=query, documents=docs).json()["results"]
-        assert [r["index"] for r in results] == list(np.argsort(-expected))
-        np.testing.assert_allclose([r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5)
+        # each document with its own pair score, ranked by it: the tiny model's scores lie within ~1e-5 of each
+        # other, so the order of two near-equal ones may differ from sentence-transformers' by rounding (it did in
+        # one clean-clone run: two documents 8e-6 apart swapped)
+        indices, got = [r["index"] for r in results], [r["relevance_score"] for r in results]
+        assert sorted(indices) == list(range(len(docs))) and got == sorted(got, reverse=True)
+        np.testing.assert_allclose(got, expected[indices], atol=1e-5)
         scores = post(server, "/v1/score", text_1=query, text_2=docs).json()["data"]
         np.testing.assert_allclose([d["score"] for d in scores], expected, atol=1e-5)
         refused = post(server, "/v1/embeddings", input="x")
