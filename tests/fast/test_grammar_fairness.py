@@ -175,7 +175,7 @@ def timed_post(url: str, body: dict, client: str) -> tuple[int, float, dict]:
 
 @pytest.mark.server
 @pytest.mark.alone
-def test_an_innocent_schema_beside_one_clients_nine_hostile_ones_takes_at_most_twice_its_time_alone(server):
+def test_an_innocent_schema_beside_one_clients_nine_hostile_ones_takes_at_most_twice_its_time_alone_plus_half_a_second(server):
     """The issue's repro: before, the innocent request got a 429 at once, and a 200 only after 57 s (2.7 s alone)."""
     timed_post(server, schema_chat(innocent_schema("warm-up")), "innocent")  # the compile worker has started
     # 64 tokens: long enough alone (about 0.5 s here) that the bound is not all noise on a shared machine
@@ -187,7 +187,10 @@ def test_an_innocent_schema_beside_one_clients_nine_hostile_ones_takes_at_most_t
         hostile = [f.result() for f in attacks]
     print(f"innocent json_schema request: {alone:.2f} s alone, {beside:.2f} s beside 9 hostile schemas")
     assert status == 200, body
-    assert beside <= 2 * alone, (alone, beside)
+    # Twice its time alone, plus half a second: on 2 cores the 9 hostile requests' parsing and refusals share the
+    # CPU with it (CI saw 0.15 s alone, 0.31 s beside). Waiting behind one hostile compile, the failure this guards
+    # against, costs seconds (15 s each on this vocabulary), far past the bound.
+    assert beside <= 2 * alone + 0.5, (alone, beside)
     for code, _, answer in hostile:  # each one a clear 4xx, never a 5xx
         assert code in (400, 429) and answer["error"]["message"], answer
 
