@@ -3,9 +3,13 @@ the real embedded models (fetched by `make setup`), and a real uvicorn server on
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,7 +20,7 @@ import uvicorn
 from app.config import Settings
 from app.models.fetch import fetch_model
 from app.models.loading import LoadedModel, load_model
-from benchmarks.processes import free_port  # noqa: F401 (tests import it from here)
+from benchmarks.processes import free_port, stop  # noqa: F401 (tests import them from here)
 
 MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
 CORPUS = [
@@ -171,6 +175,27 @@ def wait_until_ready(url: str, timeout: float, exited=lambda: None, interval: fl
             pass
         time.sleep(interval)
     raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
+@contextlib.contextmanager
+def serve_process(model, log: Path, *args: str, env: dict | None = None, launch: tuple = ("-m", "app"),
+                  clean_log: bool = True) -> Iterator[str]:
+    """`python -m app serve --model MODEL --port P *args` in a process of its own, as an operator starts it, its
+    output in `log`, with `env` over this process's environment. Yields its URL once /ready answers 200; then a
+    SIGTERM (a kill after 30 s) and, with `clean_log`, a log with no traceback in it."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *launch, "serve", "--model", str(model), "--port", str(port), *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+        yield url
+    finally:
+        stop(proc)
+    if clean_log:
+        text = Path(log).read_text()
+        assert "Traceback" not in text, text[-3000:]
 
 
 class ThreadServer:

@@ -6,10 +6,6 @@ is the issue's: an innocent json_schema request beside one client's 9 hostile sc
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +20,7 @@ from app.structured.schema_check import GrammarLimits, check_schema
 from app.errors import InvalidRequest, Overloaded
 from app.openai.structured import forced_tool_tag
 from app.openai.tools.wire import Tool
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 
 OR_1000 = {"type": "string", "pattern": "(a|b){0,1000}"}
 
@@ -148,23 +144,9 @@ def innocent_schema(tag: str) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     """A server process whose clients are told apart by a header (as a trusted proxy in front would set it)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("fairness") / "serve.log"
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny", GRAMMAR_CLIENT_HEADER="x-client")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    with serve_process(tiny_dir, log, env={"SERVED_MODEL_NAME": "tiny", "GRAMMAR_CLIENT_HEADER": "x-client"}) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def timed_post(url: str, body: dict, client: str) -> tuple[int, float, dict]:

@@ -6,8 +6,6 @@ the test's clients do not share its interpreter)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 
 pytestmark = [pytest.mark.server, pytest.mark.alone]
 CHAT = "/v1/chat/completions"
@@ -95,24 +93,11 @@ class HealthProbe:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("adversarial") / "serve.log"
-    env = dict(os.environ, GRAMMAR_COMPILE_TIMEOUT_S="1", GRAMMAR_COMPILE_QUEUE="4", SERVED_MODEL_NAME="tiny",
-               GRAMMAR_COMPILE_PER_CLIENT="8")  # every hostile body comes from this one client
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    env = {"GRAMMAR_COMPILE_TIMEOUT_S": "1", "GRAMMAR_COMPILE_QUEUE": "4", "SERVED_MODEL_NAME": "tiny",
+           "GRAMMAR_COMPILE_PER_CLIENT": "8"}  # every hostile body comes from this one client
+    with serve_process(tiny_dir, log, env=env) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def stream_text(url: str, body: dict) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import build_tiny_model, free_port, wait_until_ready
+from conftest import build_tiny_model, free_port, stop, wait_until_ready
 from test_batch_process import chat_lines, serve, write_jsonl
 from test_body_flood import Probe
 
@@ -91,11 +91,7 @@ def live(tiny_dir, tmp_path_factory):
         wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
         yield url, proc, folder
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_a_batch_completes_beside_two_busy_clients_and_a_half_sent_request(live):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 
 pytestmark = [pytest.mark.server, pytest.mark.alone]
 CHAT = "/v1/chat/completions"
@@ -66,25 +65,12 @@ with httpx.Client(timeout=10) as client, out.open("w") as log:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("flood") / "serve.log"
     # one token a step (no n-gram drafts), and torch on one thread: the step's CPU part is the tiny model's
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny", SPECULATIVE="off", OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_dir), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    env = {"SERVED_MODEL_NAME": "tiny", "SPECULATIVE": "off", "OMP_NUM_THREADS": "1"}
+    with serve_process(tiny_dir, log, env=env, launch=("-c", LAUNCH)) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     text = log.read_text()
-    assert "Traceback" not in text, text[-3000:]
     assert "objects frozen" in text  # app/state.py: no full collection walks the loaded model's objects again
 
 

@@ -4,15 +4,11 @@ server serves on, and its log stays small, with no traceback and no line a reque
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 from test_prompt_errors import HI, deep_chat, deep_messages, deep_responses, nested
 
 pytestmark = pytest.mark.server
@@ -51,22 +47,9 @@ REPROS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("hostile-prompts") / "serve.log"
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny", API_KEY=KEY)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    with serve_process(tiny_dir, log, env={"SERVED_MODEL_NAME": "tiny", "API_KEY": KEY}, clean_log=False) as url:
         yield url, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_each_repro_is_a_4xx_and_the_log_stays_small(server):

@@ -25,10 +25,7 @@ import base64
 import io
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +33,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 from test_body_flood import Probe
 
 pytestmark = [pytest.mark.server, pytest.mark.alone]
@@ -65,25 +62,10 @@ def server(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("image-flood")
     save_checkpoint(*build("llava"), folder / "model")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     # one token a step (no n-gram drafts), torch on one thread, fp32 as saved: nothing to convert or prepack
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny-llava", SPECULATIVE="off", OMP_NUM_THREADS="1")
-    with open(folder / "serve.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(folder / "model"), "--port",
-                                 str(port), "--dtype", "float32", "--no-prepack"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    env = {"SERVED_MODEL_NAME": "tiny-llava", "SPECULATIVE": "off", "OMP_NUM_THREADS": "1"}
+    with serve_process(folder / "model", folder / "serve.log", "--dtype", "float32", "--no-prepack", env=env) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    text = (folder / "serve.log").read_text()
-    assert "Traceback" not in text, text[-3000:]
 
 
 def post(port: int, payload: bytes) -> tuple[int, dict]:

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import free_port, wait_until_ready
+from conftest import serve_process
 from test_adversarial import CHAT, HEALTH_BOUND_S, HealthProbe
 from test_lora import adapters  # noqa: F401 - the fixture: two peft adapters of the tiny model
 
@@ -56,25 +53,12 @@ def body(i: int) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_dir, adapters, tmp_path_factory):  # noqa: F811 - `adapters` is the fixture
     paths, _ = adapters
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("lora-streams") / "serve.log"
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny", LORA_MODULES=f"alpha={paths['alpha']},beta={paths['beta']}",
-               LORA_RUNTIME_LOADING="true", LORA_ADAPTER_ROOT=os.path.dirname(paths["alpha"]),
-               API_KEY=AUTH["Authorization"].removeprefix("Bearer "), MAX_LORA_RANK="8")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(tiny_dir), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    env = {"SERVED_MODEL_NAME": "tiny", "LORA_MODULES": f"alpha={paths['alpha']},beta={paths['beta']}",
+           "LORA_RUNTIME_LOADING": "true", "LORA_ADAPTER_ROOT": os.path.dirname(paths["alpha"]),
+           "API_KEY": AUTH["Authorization"].removeprefix("Bearer "), "MAX_LORA_RANK": "8"}
+    with serve_process(tiny_dir, log, env=env) as url:
         yield url, paths
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def test_eight_streams_of_base_and_two_adapters_each_equal_their_solo_run(server, tmp_path):

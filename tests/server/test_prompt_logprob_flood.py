@@ -16,16 +16,13 @@ the figures are noisy: the test prints them.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import build_tiny_model, free_port, wait_until_ready
+from conftest import build_tiny_model, serve_process
 from test_body_flood import Probe
 
 pytestmark = [pytest.mark.server, pytest.mark.alone]
@@ -42,23 +39,9 @@ def server(tiny_tokenizer, tmp_path_factory):
     model.config.max_position_embeddings = 4096  # rotary positions: the weights do not depend on it
     model.save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = path / "serve.log"
-    env = dict(os.environ, SERVED_MODEL_NAME="tiny", SPECULATIVE="off", OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(path), "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_until_ready(url, timeout=120, exited=lambda: proc.poll())
+    env = {"SERVED_MODEL_NAME": "tiny", "SPECULATIVE": "off", "OMP_NUM_THREADS": "1"}
+    with serve_process(path, path / "serve.log", env=env) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 def score(url: str) -> tuple[int, int, float]:
