@@ -8,6 +8,7 @@ clients against the default model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -103,7 +104,15 @@ def test_stop_sequence_is_reported(tiny):
 def test_pings_while_waiting(tiny, monkeypatch):
     import app.anthropic.serving as serving
 
-    monkeypatch.setattr(serving, "PING_S", 0.0005)  # every wait for the next token is "long"
+    deltas = serving.CompletionServing.deltas
+
+    async def apart(self, choices):  # 20 ms between tokens, however fast a step or however late the loop
+        async for item in deltas(self, choices):
+            await asyncio.sleep(0.02)
+            yield item
+
+    monkeypatch.setattr(serving.CompletionServing, "deltas", apart)
+    monkeypatch.setattr(serving, "PING_S", 0.005)  # every wait for the next token is "long"
     stream = events(tiny.url, body())
     names = [name for name, _ in stream]
     assert "ping" in names and names[0] == "message_start" and names[-1] == "message_stop"
