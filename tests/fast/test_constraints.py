@@ -25,6 +25,16 @@ def grammars(tiny_lm):
     return Grammars(tiny_lm.tokenizer, tiny_lm.vocab_size, tiny_lm.eos_ids)
 
 
+PADDED = 48  # like Qwen: config vocab 151,936 > tokenizer 151,665
+
+
+@pytest.fixture(scope="module")
+def padded_grammars(tiny_tokenizer):
+    """Grammars for a model vocabulary PADDED ids past the tokenizer's. One for the module: each starts a compile
+    worker process, ~30 s under make test-avx2's emulator."""
+    return Grammars(tiny_tokenizer, len(tiny_tokenizer) + PADDED, [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")])
+
+
 def run(lm, grammar, **params):
     prompt = lm.encode_chat([{"role": "user", "content": "Give me JSON."}])
     events = list(generate(lm.model, lm.tokenizer, prompt, SamplingParams(grammar=grammar, **params), lm.eos_ids,
@@ -78,10 +88,9 @@ def test_eos_is_masked_until_the_document_is_complete(tiny_lm, grammars):
 
 
 @pytest.mark.full
-def test_padding_ids_past_the_tokenizer_stay_masked(tiny_tokenizer):
-    padded = len(tiny_tokenizer) + 48  # like Qwen: config vocab 151,936 > tokenizer 151,665
-    grammars = Grammars(tiny_tokenizer, padded, [tiny_tokenizer.eos_token_id])
-    matcher = grammars.json_schema({"type": "object"}).matcher()
+def test_padding_ids_past_the_tokenizer_stay_masked(tiny_tokenizer, padded_grammars):
+    padded = len(tiny_tokenizer) + PADDED
+    matcher = padded_grammars.json_schema({"type": "object"}).matcher()
     masked = matcher.mask(torch.zeros(1, padded))
     assert masked.shape == (1, padded)
     assert torch.all(masked[0, len(tiny_tokenizer):] == -torch.inf)
@@ -149,14 +158,13 @@ def test_a_schema_the_compiler_rejects_is_a_400(grammars):
 
 
 @pytest.mark.full
-def test_grammar_with_a_padded_model_vocab_generates(tiny_tokenizer):
+def test_grammar_with_a_padded_model_vocab_generates(tiny_tokenizer, padded_grammars):
     from app.models.loading import LoadedModel
 
-    model = build_tiny_model(len(tiny_tokenizer) + 48)
+    model = build_tiny_model(len(tiny_tokenizer) + PADDED)
     eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     lm = LoadedModel(model=model, tokenizer=tiny_tokenizer, name="tiny", max_context=256, eos_ids=(eos,))
-    grammars = Grammars(tiny_tokenizer, lm.vocab_size, lm.eos_ids)
-    text, events = run(lm, grammars.json_schema(SCHEMA), temperature=0, max_tokens=120)
+    text, events = run(lm, padded_grammars.json_schema(SCHEMA), temperature=0, max_tokens=120)
     assert json.loads(text)["color"] in ("red", "green")
     assert all(e.token_id < len(tiny_tokenizer) for e in events)
 
