@@ -25,6 +25,7 @@ import httpx
 import psutil
 
 from app.config import DEFAULT_MODEL
+from benchmarks.compare import ServerCrashed, wait_ready
 from benchmarks.processes import free_port, stop
 from benchmarks.serve import Result, _one_request, percentile
 
@@ -83,16 +84,10 @@ def run(args) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", args.model, "--port", str(port)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start: {(Path(tmp) / 'serve.log').read_text()[-2000:]}")
-                time.sleep(0.5)
+            try:
+                wait_ready(url, "/ready", proc, 600, Path(tmp) / "serve.log")
+            except (ServerCrashed, SystemExit):  # the log goes with the temporary folder: show its end
+                raise SystemExit(f"the server did not start: {(Path(tmp) / 'serve.log').read_text()[-2000:]}") from None
             asyncio.run(interactive(url, "bench", 1, 2, 8))  # warm-up
             idle = figures(asyncio.run(interactive(url, "bench", args.clients, args.requests, args.tokens)))
             batch_id = start_batch(url, "bench", args.lines, args.line_tokens)

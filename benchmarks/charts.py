@@ -87,7 +87,5 @@ def draw_all(results: Path, out: Path) -> list[Path]:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, **PNG)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    _plt().close(fig)
     return path

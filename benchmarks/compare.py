@@ -84,6 +84,16 @@ def server_command(kind: str, model_dir: Path, port: int, args: argparse.Namespa
     return command + (["--continuous-batching"] if kind == "transformers-cb" else [])
 
 
+def parse_list(text: str, allowed, what: str) -> list[str]:
+    """A comma-separated option's items, each one of `allowed`; an unknown one or none at all stops the bench."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in items if p not in allowed]
+    if unknown or not items:
+        raise SystemExit(f"error: {what}: unknown {', '.join(unknown) or '(none given)'}; pick from "
+                         f"{', '.join(allowed)}")
+    return items
+
+
 class ServerCrashed(RuntimeError):
     """A server's process died: its column is "crashed" from then on."""
 
@@ -113,11 +123,7 @@ def load_args(args: argparse.Namespace, url: str, model_id: str, concurrency: in
 
 
 def run(args: argparse.Namespace) -> dict:
-    kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in SERVERS]
-    if unknown or not kinds:
-        raise SystemExit(f"error: --servers: unknown {', '.join(unknown) or '(none given)'}; pick from "
-                         f"{', '.join(SERVERS)}")
+    kinds = parse_list(args.servers, SERVERS, "--servers")
     before = before_checkout(args.before)
     if before:
         kinds.insert(kinds.index("ours") + 1 if "ours" in kinds else 0, "ours-before")
@@ -160,10 +166,9 @@ def run(args: argparse.Namespace) -> dict:
         for index, (name, (concurrency, requests)) in enumerate(scenarios.items()):
             for kind, (proc, url) in procs.items():
                 print(f"{name}: {kind} ...", flush=True)
-                figures = _measure_unless_crashed(kind, proc, load_args(args, url, str(model_dir), concurrency,
-                                                                        requests, seed=1000 * index,
-                                                                        mixed=name == MIXED), crashed)
-                results[name][kind] = {"crashed": crashed[kind]} if kind in crashed else figures
+                load = load_args(args, url, str(model_dir), concurrency, requests, seed=1000 * index,
+                                 mixed=name == MIXED)
+                results[name][kind] = _measure_unless_crashed(kind, proc, load, crashed)
     finally:
         for proc, _ in procs.values():
             stop(proc)
@@ -208,20 +213,19 @@ def print_mixed(by_server: dict[str, dict]) -> None:
 def ratios(results: dict[str, dict[str, dict]]) -> dict:
     """The ratios the docs cite, from the unrounded figures: ours against each peer, ours-int8 against
     llama.cpp, and loaded against one stream."""
-    rate = lambda r: (r or {}).get("output_tokens_per_s", {}).get("aggregate")  # noqa: E731
     ttft = lambda r: (r or {}).get("ttft_s", {}).get("p50")  # noqa: E731
     div = lambda a, b: a / b if a and b else None  # noqa: E731
     out: dict = {"ours_vs": {}, "int8_vs_llamacpp": {}, "loaded_vs_single_by_server": {}}
     for scenario, by_server in results.items():
         ours = by_server.get("ours")
-        out["ours_vs"][scenario] = {k: div(rate(ours), rate(r)) for k, r in by_server.items() if k != "ours" and ours}
+        out["ours_vs"][scenario] = {k: div(_rate(ours), _rate(r)) for k, r in by_server.items() if k != "ours" and ours}
         if "ours-int8" in by_server and "llama.cpp" in by_server:
             int8, peer = by_server["ours-int8"], by_server["llama.cpp"]
-            out["int8_vs_llamacpp"][scenario] = {"tokens_per_s": div(rate(int8), rate(peer)),
+            out["int8_vs_llamacpp"][scenario] = {"tokens_per_s": div(_rate(int8), _rate(peer)),
                                                  "ttft_p50": div(ttft(int8), ttft(peer))}
     if len(results) >= 2:
         single, loaded = list(results.values())[:2]
-        out["loaded_vs_single_by_server"] = {k: div(rate(loaded.get(k)), rate(r)) for k, r in single.items()}
+        out["loaded_vs_single_by_server"] = {k: div(_rate(loaded.get(k)), _rate(r)) for k, r in single.items()}
         if "ours" in single:
             out["loaded_vs_single"] = {"tokens_per_s": out["loaded_vs_single_by_server"]["ours"],
                                        "ttft_p50": div(ttft(loaded.get("ours")), ttft(single["ours"]))}
@@ -229,17 +233,16 @@ def ratios(results: dict[str, dict[str, dict]]) -> dict:
 
 
 def _measure_unless_crashed(kind: str, proc: subprocess.Popen, load: argparse.Namespace,
-                            crashed: dict[str, str]) -> dict | None:
-    """The load's figures, or None once the server's process has died (recorded in `crashed`): a run that ended in
-    a crash is not measured, whatever its requests did before."""
-    if kind in crashed:
-        return None
-    figures = bench_serve.measure(load)
-    if proc.poll() is not None:
+                            crashed: dict[str, str]) -> dict:
+    """The load's figures, or {"crashed": how} once the server's process has died (recorded in `crashed`): a run
+    that ended in a crash is not measured, whatever its requests did before."""
+    if kind not in crashed:
+        figures = bench_serve.measure(load)
+        if proc.poll() is None:
+            return figures
         crashed[kind] = f"crashed during the run ({llamacpp.describe_exit(proc.returncode)})"
         print(f"{kind} {crashed[kind]}: no figures of it are compared", flush=True)
-        return None
-    return figures
+    return {"crashed": crashed[kind]}
 
 
 def prepare_llamacpp(args: argparse.Namespace,
@@ -248,21 +251,19 @@ def prepare_llamacpp(args: argparse.Namespace,
     impossible, drop llama.cpp with a message."""
     if "llama.cpp" not in kinds:
         return None, None, kinds, None
-    rest = [k for k in kinds if k != "llama.cpp"]
     if args.model not in EMBEDDED:
-        print("llama.cpp skipped: it serves GGUF files, and --model is not an embedded model with one", flush=True)
-        return None, None, rest, None
-    if missing := llamacpp.missing_tools():  # before fetching a GGUF it could not serve
-        print(f"llama.cpp skipped: {', '.join(missing)} not found (building llama-server needs cmake and a C/C++ "
-              "compiler; e.g. apt-get install cmake g++, or pip install cmake)", flush=True)
-        return None, None, rest, None
-    gguf = fetch_gguf(args.model, Settings().model_cache)
-    binary, build, why = llamacpp.ensure_llama_server(Settings().model_cache, gguf)
-    if binary is None:
-        print(why, flush=True)
-        return None, None, rest, None
-    print(f"llama.cpp: comparing against the {build} build", flush=True)
-    return binary, gguf, kinds, build
+        why = "llama.cpp skipped: it serves GGUF files, and --model is not an embedded model with one"
+    elif missing := llamacpp.missing_tools():  # before fetching a GGUF it could not serve
+        why = (f"llama.cpp skipped: {', '.join(missing)} not found (building llama-server needs cmake and a C/C++ "
+               "compiler; e.g. apt-get install cmake g++, or pip install cmake)")
+    else:
+        gguf = fetch_gguf(args.model, Settings().model_cache)
+        binary, build, why = llamacpp.ensure_llama_server(Settings().model_cache, gguf)
+        if binary is not None:
+            print(f"llama.cpp: comparing against the {build} build", flush=True)
+            return binary, gguf, kinds, build
+    print(why, flush=True)
+    return None, None, [k for k in kinds if k != "llama.cpp"], None
 
 
 def print_comparison(report: dict) -> None:

@@ -15,6 +15,7 @@ With `--out` the report is written as JSON that starts with `record.envelope` (m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -132,13 +133,7 @@ def time_hostile(tokenizer, vocab_size: int, eos_ids: list[int], limit_s: float)
     """Each engine on each hostile schema, in a forked process killed past `limit_s` (as our worker is)."""
     import multiprocessing
 
-    engines = ["xgrammar"]
-    try:
-        import llguidance  # noqa: F401
-
-        engines.append("llguidance")
-    except ImportError:
-        pass
+    engines = ["xgrammar"] + (["llguidance"] if importlib.util.find_spec("llguidance") else [])
     context = multiprocessing.get_context("fork")
     out: dict = {"limit_s": limit_s}
     for name, schema in HOSTILE.items():

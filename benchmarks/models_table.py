@@ -43,20 +43,17 @@ FAMILIES = {
     "gemma3_text": Family("Gemma 3 (text)", "google/gemma-3-1b-it", 1.0, "pythonic", "none",
                           "Sliding-window layers. The 4B and larger checkpoints are image-text models "
                           "([vision](#vision-models))."),
-    "phi3": Family("Phi-3 / Phi-4-mini", "microsoft/Phi-4-mini-instruct", 3.84, "phi4_mini", "none",
-                   "Partial rotary."),
+    "phi3": Family("Phi-3 / Phi-4-mini", "microsoft/Phi-4-mini-instruct", 3.84, "phi4_mini", "none", "Partial rotary."),
     "granite": Family("Granite 3.x", "ibm-granite/granite-3.3-8b-instruct", 8.17, "granite", "granite",
                       "Its logit and residual scales are applied as its own forward does."),
-    "olmo2": Family("OLMo 2", "allenai/OLMo-2-1124-7B-Instruct", 7.30, "none", "none",
-                    "QK norms."),
+    "olmo2": Family("OLMo 2", "allenai/OLMo-2-1124-7B-Instruct", 7.30, "none", "none", "QK norms."),
     "cohere2": Family("Cohere Command R7B", "CohereLabs/c4ai-command-r7b-12-2024", 8.03, "none", "none",
                       "Sliding-window layers."),
     "mixtral": Family("Mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", 46.7, "mistral", "none",
                       "QUANT leaves the experts (most of the weights) unquantized."),
     "deepseek_v3": Family("DeepSeek-V3 / R1 (MLA)", "deepseek-ai/DeepSeek-V3", 671, "deepseek_v3", "deepseek_r1",
                           "The cache and the compiled step's pool hold MLA's latent (576 values a token and layer), "
-                          "not per-head keys. R1's thinking is "
-                          "the `deepseek_r1` parser."),
+                          "not per-head keys. R1's thinking is the `deepseek_r1` parser."),
     "gpt_oss": Family("gpt-oss", "openai/gpt-oss-20b", 20.9, "harmony", "harmony",
                       "Its attention sinks run on its own eager attention function, per request in a packed pass "
                       "(no compiled step); sliding-window layers. The published weights are MXFP4, which "
@@ -89,11 +86,13 @@ def models_table(runs: list[tuple[str, dict]]) -> str:
         cells = [row[column].replace(", experts not quantized", " (experts not)") for column in COLUMNS]
         rows.append(f"| {family.name} (`{model_type}`) | " + " | ".join(cells) + " | "
                     f"`{family.tools}` | `{family.reasoning}` | {memory(family, quantized_experts)} |")
-    rows.append("")
-    rows.append(f"<sub>Paths as [`{name}`](results/{name}) records them: tests/fast/test_model_matrix.py, tiny random "
-                f"models in fp32; {run['machine']['cpu']}, {run['date']}, transformers "
-                f"{run['versions'].get('transformers', '?')}.</sub>")
-    return "\n".join(rows)
+    return "\n".join(rows + ["", _source("Paths as", name, run, "tests/fast/test_model_matrix.py")])
+
+
+def _source(what: str, name: str, run: dict, test: str) -> str:
+    """The footnote under a matrix's table: the record it came from, and where and with what it ran."""
+    return (f"<sub>{what} [`{name}`](results/{name}) records them: {test}, tiny random models in fp32; "
+            f"{run['machine']['cpu']}, {run['date']}, transformers {run['versions'].get('transformers', '?')}.</sub>")
 
 
 def exactness(row: dict[str, str]) -> str:
@@ -135,9 +134,7 @@ def vision_table(runs: list[tuple[str, dict]]) -> str:
     for t, row in run["families"].items():
         cells = [row] + [""] * 5 if isinstance(row, str) else list(row.values())
         rows.append(f"| {VISION[t][0]} (`{t}`) | `{VISION[t][1]}` | " + " | ".join(cells) + " |")
-    return "\n".join(rows + ["", f"<sub>As [`{name}`](results/{name}) records them: tests/fast/test_vision_matrix.py, "
-                             f"tiny random models in fp32; {run['machine']['cpu']}, {run['date']}, transformers "
-                             f"{run['versions'].get('transformers', '?')}.</sub>"])
+    return "\n".join(rows + ["", _source("As", name, run, "tests/fast/test_vision_matrix.py")])
 
 
 TABLES = {"models": models_table, "model-expectations": expectations_list, "vision": vision_table}

@@ -27,10 +27,7 @@ def parse(text: str) -> list[int]:
 def token_counter(model_dir: Path):
     """The model's tokenizer as a counter, and what counted: the requested lengths are the user message's tokens."""
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer  # lazy: only this phase needs it
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        return (lambda text: len(tok.encode(text, add_special_tokens=False))), "the model's tokenizer"
+        return bench_serve.tokenizer_counter(model_dir), "the model's tokenizer"
     return bench_serve.estimate_tokens, "an estimate (~4 characters a token in English, ~1.5 in Chinese)"
 
 

@@ -40,8 +40,7 @@ def cpuinfo_family() -> dict:
         lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
         return {}
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
     names = {"cpu family": "cpu_family", "model": "cpu_model"}
     return {names[k]: int(fields[k]) for k in names if fields.get(k, "").isdigit()}
 

@@ -32,10 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from app.config import DEFAULT_MODEL, Settings
 from app.models.fetch import fetch_model
 from benchmarks import llamacpp, prompt_lengths, record, serve as bench_serve
-from benchmarks.compare import ServerCrashed, wait_ready
+from benchmarks.compare import ServerCrashed, parse_list, wait_ready
 from benchmarks.processes import free_port, stop
 from benchmarks.tables import long_context_ratio
 
@@ -55,11 +57,11 @@ SHAPES = {
              "num_key_value_heads": 2, "vocab_size": None, "tie_word_embeddings": True,
              "max_position_embeddings": 1024},
 }
-OURS = {"ours": "none", "ours-int8": "int8", "ours-int4": "int4", "ours-int4-copy": "int4"}  # -> QUANT, dtype=auto
-# int4 with its opt-in bf16 copy for calls of many rows (only where the CPU multiplies bf16 natively): the option that
-# trades the memory int4 saves for prefill speed, measured beside the others. Not in the default --servers.
-# ours-kv8: the defaults with the 8-bit KV cache, for its long-context decode and memory beside the bf16 cache's.
-OURS["ours-kv8"] = "none"
+# -> QUANT, dtype=auto. ours-int4-copy: int4 with its opt-in bf16 copy for calls of many rows (only where the CPU
+# multiplies bf16 natively): the option that trades the memory int4 saves for prefill speed, measured beside the
+# others. ours-kv8: the defaults with the 8-bit KV cache, for its long-context decode and memory beside the bf16
+# cache's. Neither is in the default --servers.
+OURS = {"ours": "none", "ours-int8": "int8", "ours-int4": "int4", "ours-int4-copy": "int4", "ours-kv8": "none"}
 OUR_ENV = {"ours-int4-copy": {"INT4_WIDE_COPY": "true"}, "ours-kv8": {"KV_CACHE_DTYPE": "int8"}}
 LLAMACPP = {"llama.cpp-Q4_K_M": "Q4_K_M", "llama.cpp-Q8_0": "Q8_0"}
 # ours-gguf: ours serving llama.cpp's own Q4_K_M file of the same weights, at the defaults (QUANT=auto keeps the
@@ -93,15 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "speed runs would take hours here (7B on 2 cores)")
     parser.add_argument("--resume", action="store_true", help="keep the sizes an earlier run wrote to --out (each "
                         "with its own date) and run only --sizes: a long run goes on after a stop or a fix")
-
-
-def parse_list(text: str, allowed, what: str) -> list[str]:
-    items = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in items if p not in allowed]
-    if unknown or not items:
-        raise SystemExit(f"error: {what}: unknown {', '.join(unknown) or '(none given)'}; pick from "
-                         f"{', '.join(allowed)}")
-    return items
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -251,9 +244,8 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
     started = time.perf_counter()
     proc = subprocess.Popen(server_command(name, model_dir, gguf, llama_server, port, args, streams), env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    model_id = str(model_dir)
     load = lambda **kw: argparse.Namespace(**{  # noqa: E731
-        "url": url, "model": model_id, "concurrency": 1, "requests": 1, "prompt_len": args.prompt_len,
+        "url": url, "model": str(model_dir), "concurrency": 1, "requests": 1, "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True, "api_key": None, "timeout": 900.0,
         "seed": 0, "tokenizer": None, "temperature": 0.0, "mixed": False, **kw})
     try:
@@ -289,8 +281,6 @@ def measure_server(name: str, model_dir: Path, gguf: Path | None, llama_server: 
         if proc.poll() is not None:
             return {"crashed": f"crashed during the run ({llamacpp.describe_exit(proc.returncode)}); see {log}"}
         if ours:  # what the server says its weights hold, by format (app/models/weight_memory.py)
-            import httpx
-
             figures["weight_bytes"] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0].get("weight_bytes")
         return figures
     finally:

@@ -81,6 +81,14 @@ def estimate_tokens(text: str) -> float:
     return cjk / 1.5 + (len(text) - cjk) / 4
 
 
+def tokenizer_counter(tokenizer: str | Path) -> Callable[[str], int]:
+    """An HF tokenizer (a hub id or a directory) as a token counter, for exact prompt lengths."""
+    from transformers import AutoTokenizer  # lazy: only exact prompt lengths need it
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
+
+
 def build_prompt(prompt_len: int, seed: int, count_tokens: Callable[[str], float] | None = None) -> str:
     """Concatenate built-in passages (alternating English/Chinese, seeded) to ~prompt_len tokens.
 
@@ -170,11 +178,14 @@ async def _read_sse(resp: httpx.Response, res: Result) -> dict:
 
 async def _one_request(client: httpx.AsyncClient, url: str, body: dict | bytes, stream: bool,
                        timeout: float | None = None) -> Result:
-    """`timeout` overrides the client's for this request (the soak's impatient clients)."""
+    """A dict `body` is sent as JSON, bytes as they are (the soak's malformed bodies). `timeout` overrides the
+    client's for this request (the soak's impatient clients)."""
     res = Result(t_start=time.perf_counter())
+    sent = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+            else {"json": body})
     extra = {} if timeout is None else {"timeout": timeout}
     try:
-        async with client.stream("POST", url, **request_kwargs(body), **extra) as resp:
+        async with client.stream("POST", url, **sent, **extra) as resp:
             res.status = resp.status_code
             if resp.status_code >= 400:
                 text = res.error_body = (await resp.aread()).decode(errors="replace")
@@ -192,13 +203,6 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict | bytes, 
         res.error = f"{type(exc).__name__}: {exc}"[:300]
     res.t_end = time.perf_counter()
     return res
-
-
-def request_kwargs(body: dict | bytes) -> dict:
-    """A dict is sent as JSON; bytes as they are (the soak's malformed bodies)."""
-    if isinstance(body, bytes):
-        return {"content": body, "headers": {"content-type": "application/json"}}
-    return {"json": body}
 
 
 def _stats(values: list[float]) -> dict:
@@ -346,25 +350,15 @@ def run(args) -> dict:
 def measure(args, prompts: list[str] | None = None) -> dict:
     """Send the load described by `args` and return the report dict (nothing printed or written). `prompts`, when
     given, are sent as they are instead of built from the passages (bench compare's prompt lengths)."""
-    count_tokens = None
-    if getattr(args, "tokenizer", None) and prompts is None:
-        from transformers import AutoTokenizer  # lazy: only needed for exact prompt lengths
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        count_tokens = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
     max_tokens = None
-    if getattr(args, "mixed", False) and prompts is None:
-        prompts, max_tokens = mixed_workload(args.requests, args.seed, count_tokens)
     if prompts is None:
-        prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
+        count_tokens = tokenizer_counter(args.tokenizer) if getattr(args, "tokenizer", None) else None
+        if getattr(args, "mixed", False):
+            prompts, max_tokens = mixed_workload(args.requests, args.seed, count_tokens)
+        else:
+            prompts = [build_prompt(args.prompt_len, args.seed + i, count_tokens) for i in range(args.requests)]
     results, wall = asyncio.run(_run_async(args, prompts, max_tokens))
     config = {k: getattr(args, k, None) for k in
               ("url", "model", "concurrency", "requests", "prompt_len", "max_tokens", "stream", "ignore_eos", "seed",
                "temperature", "mixed")}
     return summarize(results, wall, config)
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m benchmarks.serve")
-    add_arguments(_parser)
-    run(_parser.parse_args())

@@ -27,6 +27,7 @@ import httpx
 from benchmarks import compare, record, serve as bench_serve
 from benchmarks.processes import free_port, stop
 from app.config import DEFAULT_MODEL, Settings
+from app.metrics import parse_samples
 from app.models.fetch import EMBEDDED, fetch_model
 
 CODE = '''import json
@@ -138,10 +139,7 @@ def decode_rate(r: bench_serve.Result) -> float:
 
 
 def measure_prefix(args, url: str, model_dir: Path) -> dict:
-    from transformers import AutoTokenizer  # exact prompt lengths
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    count = bench_serve.tokenizer_counter(model_dir)  # exact prompt lengths
     runs = []
     for i in range(args.prefix_repeats):
         document = bench_serve.build_prompt(args.prefix_len, seed=1000 + i, count_tokens=count)
@@ -151,9 +149,7 @@ def measure_prefix(args, url: str, model_dir: Path) -> dict:
         print(f"prefix {i}: {runs[-1]}", flush=True)
     cold = statistics.median(r["cold_ttft_s"] for r in runs)
     warm = statistics.median(r["warm_ttft_s"] for r in runs)
-    metrics = httpx.get(url + "/metrics").text
-    hits = next(float(line.split()[1]) for line in metrics.splitlines()
-                if line.startswith("simple_serve_prefix_cache_hit_tokens_total"))
+    hits = parse_samples(httpx.get(url + "/metrics").text)["simple_serve_prefix_cache_hit_tokens_total"]
     return {"runs": runs, "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in runs),
             "cold_ttft_s": cold, "warm_ttft_s": warm, "warm_vs_cold": warm / cold,
             "hit_tokens_total": hits}
