@@ -140,10 +140,10 @@ class Settings(BaseSettings):
                                        "CPU: half the RAM available after loading)")
     kv_cache_dtype: Literal["auto", "int8"] = Field("auto", description="auto: keys and values cached in the "
                                                    "model's dtype; int8: a byte a value and an fp16 scale per token, "
-                                                   "head and group of channels (8 for keys, 32 for values; values "
-                                                   "as llama.cpp's q8_0), 0.58x bf16's bytes, so the KV budget holds "
-                                                   "about 1.7x the tokens; rounds what attention reads (perplexity "
-                                                   "measured by `bench quality --kv-cache`). Not with "
+                                                   "head and group of channels (4 for keys, 32 for values; values "
+                                                   "as llama.cpp's q8_0), 0.64x bf16's bytes, so the KV budget holds "
+                                                   "about 1.56x the tokens; rounds what attention reads (perplexity "
+                                                   "measured by `bench perplexity`). Not with "
                                                    "DECODE_STEP=compiled, tensor parallelism or a latent-attention "
                                                    "(MLA) model")
     default_max_tokens: int = Field(4096, ge=1, description="max_tokens of a request that sets none (at most the "

@@ -16,6 +16,7 @@ COMMANDS = {  # command -> (module under benchmarks/, help)
     "serve": ("serve", "drive any OpenAI-compatible server"),
     "compare": ("compare", "ours vs transformers serve and llama.cpp, same load"),
     "quality": ("quality", "perplexity and greedy agreement of bf16/int8"),
+    "perplexity": ("perplexity", "a GGUF as we serve it against llama-perplexity on the same file and tokens"),
     "shortcuts": ("shortcuts", "prefix cache and n-gram speculation, on against off"),
     "grammar": ("grammar", "structured output: engines and cost"),
     "tools": ("tools", "tool-call parsing: total and worst per token"),

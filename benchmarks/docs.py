@@ -27,7 +27,7 @@ from benchmarks import by_class, charts, models_table, tables
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MARKED = re.compile(r"(<!-- figures:begin (?P<args>[^>]*?) -->\n)(?P<body>.*?)(<!-- figures:end -->)", re.S)
 FILE_TABLES = {"cited": None, "compare": tables.compare_table, "quality": tables.quality_table,
-               "shortcuts": tables.shortcuts_table, "floor": tables.floor_table, "kv-quality": tables.kv_quality_table,
+               "shortcuts": tables.shortcuts_table, "floor": tables.floor_table, "perplexity": tables.perplexity_table,
                "long-context": tables.long_context_table,
                "grammar-decode": tables.grammar_decode_table, "routing": tables.routing_table, **models_table.TABLES}
 

@@ -24,6 +24,8 @@ from app.models.loading import load_model
 from app.models.prepack import PackedLinear, decode_bytes_per_step
 from app.core.sampling import SamplingParams
 
+LINEAR_OPS = ("linear", "mm", "int4", "int8", "quantized", "mkldnn", "onednn")  # after ATTENTION_OPS: bmm is theirs
+ATTENTION_OPS = ("attention", "softmax", "bmm")
 PROMPT = "Which city is the capital of France? Answer, then describe the city in a few paragraphs."
 
 
@@ -41,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (best is reported)")
     parser.add_argument("--kv-streams", type=int, default=8, help="sequences for the KV-memory check (0 skips it)")
     parser.add_argument("--kv-tokens", type=int, default=1024, help="prompt tokens per sequence in that check")
+    parser.add_argument("--quant", default=None, help="QUANT for our loop's model (default: $QUANT, or none)")
+    parser.add_argument("--profile", type=int, default=0, help="also profile this many decode steps of our loop: "
+                        "where a step's time goes")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
 
 
@@ -89,10 +94,54 @@ def time_hf_generate(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float,
     return ttft, (max_tokens - 1) / max(total - ttft, 1e-9)
 
 
+def profile_decode(lm, prompt_ids: list[int], steps: int) -> dict[str, float]:
+    """Milliseconds of a decode step under torch.profiler by where they go: the linears' kernels (of which the
+    lm_head), attention's, the other ops', and the rest, outside any op (Python, the loop, dispatch, and the
+    profiler's own cost); and the step timed without it. Our int4 kernel and the head are labelled for it."""
+    from app.models.int4_decode import Int4Kernel
+
+    def labelled(name: str, call):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return call(*args, **kwargs)
+        return run
+
+    def decode() -> float:
+        params = SamplingParams(max_tokens=steps + 1, do_sample=False, ignore_eos=True)
+        events = generate(lm.model, lm.tokenizer, prompt_ids, params, lm.eos_ids, lm.max_context)
+        next(events)  # the prefill and first token, not counted
+        start = time.perf_counter()
+        n = sum(1 for _ in events)
+        return (time.perf_counter() - start) * 1e3 / n
+
+    alone, matmul, head = decode(), Int4Kernel.matmul, lm.model.get_output_embeddings()
+    Int4Kernel.matmul, head.forward = labelled("int4_matmul", matmul), labelled("lm_head", head.forward)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            profiled = decode()
+    finally:
+        Int4Kernel.matmul = matmul
+        del head.forward  # the class's again
+    split = {"linears": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        if event.key == "lm_head":  # a label: its self time is the Python around the head's ops
+            continue
+        name = event.key.lower()
+        kind = ("attention" if any(k in name for k in ATTENTION_OPS) else
+                "linears" if any(k in name for k in LINEAR_OPS) else "other ops")
+        split[kind] += event.self_cpu_time_total / 1e3 / steps  # microseconds over the steps -> ms a step
+    head_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key == "lm_head") / 1e3 / steps
+    return {"linears": split["linears"], "of which lm_head": head_ms, "attention": split["attention"],
+            "other ops": split["other ops"], "outside any op": profiled - sum(split.values()),
+            "step, profiled": profiled, "step, not profiled": alone}
+
+
 def run(args: argparse.Namespace) -> dict:
-    given = {k: getattr(args, k) for k in ("model", "device", "dtype", "prepack") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("model", "device", "dtype", "prepack", "quant")
+             if getattr(args, k, None) is not None}
     settings = Settings(**given)
-    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack)
+    lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack,
+                    quant=settings.quant)
     torch.set_grad_enabled(False)
     prompt_ids = lm.encode_chat([{"role": "user", "content": PROMPT}])
     cfg = lm.model.config
@@ -140,6 +189,8 @@ def run(args: argparse.Namespace) -> dict:
         result[f"{name}_ttft_s"] = statistics.median(t for t, _ in timings)
     result["ours_vs_hf"] = result["ours_tokens_per_s"] / result["hf_generate_tokens_per_s"]
     result["ours_vs_floor"] = result["ours_tokens_per_s"] / result["floor_tokens_per_s"]
+    if getattr(args, "profile", 0):
+        result["profile_ms_per_step"] = profile_decode(lm, prompt_ids, args.profile)
     if args.kv_streams:
         result.update(measure_kv_memory(lm, args.kv_streams, args.kv_tokens, kv_bytes_per_token))
     print_report(result)
@@ -198,6 +249,8 @@ def print_report(r: dict) -> None:
         if f"{key}_tokens_per_s" in r:
             print(f"{label:26}{r[f'{key}_tokens_per_s']:>14.2f}{r[f'{key}_ttft_s']:>10.3f}")
     print(f"ours / generate(): {r['ours_vs_hf']:.2f}x   ours / floor: {r['ours_vs_floor']:.0%}")
+    if profile := r.get("profile_ms_per_step"):
+        print("a decode step of our loop, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.items()))
     if "kv_bytes_held" in r:
         print(f"KV cache, {r['kv_streams']} streams x {r['kv_tokens_each']} tokens: {r['kv_bytes_held'] / 2**20:.1f} MiB "
               f"held vs {r['kv_bytes_theory'] / 2**20:.1f} MiB theory ({r['kv_overhead']:+.1%})")

@@ -5,9 +5,7 @@ Two measures, against the unquantized fp32 model as the reference:
 - greedy agreement: the reference's own greedy continuation of a few prompts is fed to the variant (teacher
   forcing), which counts how often the variant's top token is the reference's; and, generating freely, how many
   tokens the variant's greedy output stays identical to the reference's.
-`--kv-cache`: for each variant, the perplexity as served (the text fed through the engine's pass `--kv-chunk` tokens
-at a time, each chunk reading the earlier ones from the request's own cache) with its full-width cache and with
-KV_CACHE_DTYPE=int8: what the 8-bit cache's rounding costs.
+The 8-bit KV cache's cost, as served, is `bench perplexity`'s.
 """
 
 from __future__ import annotations
@@ -21,10 +19,6 @@ import torch
 
 from benchmarks import record
 from app.config import Settings
-from app.core.runner.forward import forward
-from app.core.runner.packed import enable_packed_batching
-from app.core.sampling import SamplingParams
-from app.core.sequence import Sequence
 from app.models.loading import load_model
 
 TEXT = Path(__file__).with_name("data") / "quality.txt"
@@ -49,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     parser.add_argument("--text", default=str(TEXT), help="the perplexity text (default: benchmarks/data/quality.txt, "
                         "short: a longer one resolves smaller differences)")
-    parser.add_argument("--kv-cache", action="store_true", help="also each variant's perplexity as served, with "
-                        "its own cache and with KV_CACHE_DTYPE=int8")
-    parser.add_argument("--kv-chunk", type=int, default=16, help="tokens per pass with --kv-cache")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
 
 
@@ -64,25 +55,6 @@ def perplexity(model, ids: list[int], window: int) -> float:
         logits = model(chunk[:, :-1]).logits.float()
         nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
         count += chunk.shape[1] - 1
-    return math.exp(nll / count)
-
-
-@torch.inference_mode()
-def served_perplexity(lm, ids: list[int], window: int, chunk: int, kv_int8: bool) -> float:
-    """As `perplexity`, fed as the server feeds a prompt: each window's request owns its cache (8-bit with
-    `kv_int8`), and each chunk of `chunk` tokens attends to the earlier ones as that cache holds them."""
-    enable_packed_batching(lm.model)  # the engine's pass, whose decode rows read an 8-bit cache where it lies
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        part = ids[start:start + window + 1]
-        seq = Sequence(lm.model, lm.tokenizer, part[:-1], SamplingParams(max_tokens=1), lm.eos_ids, len(part),
-                       kv_int8=kv_int8)
-        for fed in range(0, len(part) - 1, chunk):
-            n = min(chunk, len(part) - 1 - fed)
-            logits = forward(lm.model, [(seq, n)], [n])  # [n, vocab]
-            nll += torch.nn.functional.cross_entropy(logits, torch.tensor(part[fed + 1:fed + n + 1]),
-                                                     reduction="sum").item()
-            count += n
     return math.exp(nll / count)
 
 
@@ -143,11 +115,6 @@ def run(args: argparse.Namespace) -> dict:
         report["variants"][name] = evaluate(variant, text_ids, prompts, ref["greedy"], args.max_tokens, args.window)
         report["variants"][name]["dtype"] = str(variant.dtype)
         report["variants"][name]["vs_fp32"] = report["variants"][name]["perplexity"] / ref["perplexity"] - 1
-        if args.kv_cache:
-            cache, eight = (served_perplexity(variant, text_ids, args.window, args.kv_chunk, kv_int8)
-                            for kv_int8 in (False, True))
-            report["variants"][name]["served"] = {"chunk": args.kv_chunk, "perplexity": cache,
-                                                  "perplexity_kv_int8": eight, "kv_int8_vs_cache": eight / cache - 1}
         del variant
     print_report(report)
     if args.out:
@@ -166,6 +133,3 @@ def print_report(r: dict) -> None:
         prefix = v.get("identical_prefix_tokens")
         print(f"{name:26}{v['perplexity']:>12.3f}{v['perplexity'] / ref - 1:>+9.2%}"
               f"{'-' if agreement is None else f'{agreement:.1%}':>17}  {'-' if prefix is None else prefix}")
-        if served := v.get("served"):
-            print(f"{'':26}as served, {served['chunk']} tokens a pass: {served['perplexity']:.3f} with its cache, "
-                  f"{served['perplexity_kv_int8']:.3f} with KV_CACHE_DTYPE=int8 ({served['kv_int8_vs_cache']:+.2%})")

@@ -140,16 +140,18 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
-def kv_quality_table(runs: list[tuple[str, dict]]) -> str:
-    """`bench quality --kv-cache`: each variant's perplexity as served with its own cache and with the 8-bit one."""
-    rows = []
-    for _, r in runs:
-        for name, v in r["variants"].items():
-            if served := v.get("served"):
-                rows.append([name, f"{r['text_tokens']:,}", str(served["chunk"]), f"{served['perplexity']:.3f}",
-                             f"{served['perplexity_kv_int8']:.3f}", f"{served['kv_int8_vs_cache']:+.2%}"])
-    head = ["weights", "text tokens", "tokens a pass", "perplexity, its own cache", "`KV_CACHE_DTYPE=int8`",
-            "difference"]
+def perplexity_table(runs: list[tuple[str, dict]]) -> str:
+    """`bench perplexity`: a GGUF as we serve it against llama-perplexity, on the same tokens, scored alike."""
+    rows = [[Path(r["model"]).name, f"`QUANT={r['ours']['quant']}`", f"{r['scored_tokens']:,}",
+             f"{r['llama_cpp']['perplexity']:.4f} ± {r['llama_cpp']['plus_minus']:.4f}",
+             f"{r['llama_cpp']['perplexity_kv_q8_0']:.4f} "
+             f"({r['llama_cpp']['perplexity_kv_q8_0'] / r['llama_cpp']['perplexity'] - 1:+.2%})",
+             f"{r['ours']['perplexity']:.4f} ({r['ours']['vs_llama_cpp']:+.2%})",
+             f"{r['ours']['perplexity_kv_int8']:.4f} ({r['ours']['kv_int8_vs_cache']:+.2%}), keys in groups of "
+             f"{r['ours']['kv_int8_key_group']}"] for _, r in runs]
+    head = ["GGUF file", "ours loaded as", "tokens scored", "`llama-perplexity`", "its q8_0 cache (vs its f16)",
+            "ours (vs llama.cpp)",
+            "ours, `KV_CACHE_DTYPE=int8` (vs its own cache)"]
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
@@ -199,7 +201,9 @@ def floor_table(runs: list[tuple[str, dict]]) -> str:
     for _, r in runs:
         cpu = (r.get("machine") or {}).get("cpu", "?")
         if r["bench"] == "generate":
-            rows.append([cpu, f"our loop, {r.get('label', '')}, batch 1", rate(r["ours_tokens_per_s"]),
+            split = "; ".join(f"{k} {v:.1f}" for k, v in r.get("profile_ms_per_step", {}).items())
+            rows.append([cpu, f"our loop, {r.get('label', '')}, batch 1" + (f" (a step, ms: {split})" if split else ""),
+                         rate(r["ours_tokens_per_s"]),
                          rate(r["floor_tokens_per_s"]), f"{r['ours_tokens_per_s'] / r['floor_tokens_per_s']:.0%}"])
         for row in r.get("results", []) if r["bench"] == "step" else []:
             for path in ("eager", "compiled"):

@@ -151,7 +151,8 @@ def test_every_cited_result_says_where_it_came_from():
         r = json.loads(path.read_text())
         assert r["schema"] == record.SCHEMA and r["bench"] in ("compare", "shortcuts", "quality", "routing", "grammar", "step",
                                                                   "generate", "soak", "serve", "kernels", "scaling",
-                                                                  "cited", "models", "vision", "invariance"), path.name
+                                                                  "cited", "models", "vision", "invariance",
+                                                                  "perplexity"), path.name
         assert r["source"] and r["machine"]["cpu"] and r["machine"]["cores"], path.name
         assert "date" in r and "settings" in r and "versions" in r, path.name
     cited = {f for page in PAGES for m in docs.MARKED.finditer(page.read_text()) for f in m["args"].split()[1:]

@@ -273,7 +273,7 @@ def weight_bytes_held(model) -> int:
 @needs_prepack
 def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tmp_path, capsys):
     args = argparse.Namespace(model=str(tiny_dir), device="cpu", dtype="bfloat16", prepack=None, max_tokens=8,
-                              repeats=1, kv_streams=2, kv_tokens=32, out=str(tmp_path / "bench.json"))
+                              repeats=1, kv_streams=2, kv_tokens=32, out=str(tmp_path / "bench.json"), profile=4)
     result = bench_generate.run(args)
     printed = capsys.readouterr().out
     for label in ("our loop, prepacked", "our loop, plain weights", "model.generate(), plain", "floor",
@@ -283,6 +283,12 @@ def test_bench_generate_reports_every_contender_and_exact_kv_memory(tiny_dir, tm
     for key in ("ours", "ours_plain", "hf_generate", "hf_generate_prepacked", "ours_int8"):
         assert result[f"{key}_tokens_per_s"] > 0
     assert result["kv_bytes_held"] == result["kv_bytes_theory"] == 2 * 32 * 2 * 2 * 2 * 16 * 2
+    # --profile: the step's time split by where it goes, the parts adding up to the profiled step
+    split = result["profile_ms_per_step"]
+    assert split["linears"] > split["of which lm_head"] > 0 and split["attention"] > 0 and split["other ops"] > 0
+    parts = split["linears"] + split["attention"] + split["other ops"] + split["outside any op"]
+    assert parts == pytest.approx(split["step, profiled"]) and split["step, not profiled"] > 0
+    assert "a decode step of our loop, ms: linears" in printed
     written = json.loads((tmp_path / "bench.json").read_text())
     assert written["bench"] == "generate" and written["machine"]["cores"] >= 1 and written["ours_vs_hf"] > 0
 

@@ -30,15 +30,3 @@ def test_bench_quality_reports_every_variant_against_fp32(tiny_dir, tmp_path, ca
     assert report["versions"]["torch"] and report["date"].endswith("Z") and report["settings"]["max_tokens"] == 6
     table = tables.quality_table([("quality.json", report)])
     assert f"| bf16 | {variants['bf16']['perplexity']:.3f} | {variants['bf16']['vs_fp32']:+.2%} |" in table
-
-
-def test_bench_quality_measures_the_8_bit_kv_cache_as_served(tiny_dir, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    quality.add_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny_dir), "--variants", "bf16", "--max-tokens", "2", "--window", "64",
-                              "--kv-cache", "--kv-chunk", "8"])
-    served = quality.run(args)["variants"]["bf16"]["served"]
-    assert served["chunk"] == 8 and served["perplexity"] > 1 and served["perplexity_kv_int8"] > 1
-    assert served["perplexity_kv_int8"] != served["perplexity"]  # the 8-bit cache rounds what attention reads
-    assert served["kv_int8_vs_cache"] == served["perplexity_kv_int8"] / served["perplexity"] - 1
-    assert "with KV_CACHE_DTYPE=int8" in capsys.readouterr().out

@@ -12,11 +12,15 @@ with these for its full-attention layers (a sliding layer never outgrows its win
 `Int8Layer` is the same store in 8 bits (one store, not a second one: only what a slot holds differs). Each token's
 keys and values are kept as int8 codes and an fp16 scale per token, head and group of channels (laid out as
 `Int8Layer` says): absmax / 127, as llama.cpp's q8_0 blocks are. Values take groups of 32 (q8_0's:
-34 bytes per 32), keys groups of 8 (10 bytes per 8): in the embedded Qwen2.5-0.5B, served in bf16 over 8,192 tokens
-of Python, keys in groups of 32 cost +1.42% perplexity against the bf16 cache and all of it came from the keys
-(values in groups of 32 with exact keys: -0.02%); groups of 16 +0.70%, of 8 +0.31%, of 4 +0.01% (a Hadamard rotation
-of the keys first bought nothing at 8 or 16). Together 0.58x bf16's bytes. Only the new tokens are quantized, as
-they are written. Its `keys` / `values` are `QuantizedKV` views:
+34 bytes per 32), keys groups of 4 (6 bytes per 4); together 0.64x bf16's bytes. The keys decide it: Qwen2's k_proj
+bias reaches 145 in its first layers, so a group holding such a channel rounds its small neighbours to nothing. In
+the embedded Qwen2.5-0.5B over 8,192 tokens of Python, served in bf16, keys in groups of 32 cost +1.42% perplexity
+against the bf16 cache (values in groups of 32 with exact keys: -0.02%), of 16 +0.70%, of 8 +0.31%, of 4 +0.01%;
+over the GPL's English (`bench perplexity`, from the GGUF as served) groups of 8 cost +2.81% where llama.cpp's q8_0
+cache costs +3.76% on the same file, and groups of 4 -0.27%. A Hadamard rotation of the keys bought nothing at 8
+or 16; quantizing them before RoPE with the bias taken out would keep groups of 8 (+0.14% in an fp32 trial) at the
+price of adding each position's rotated bias back on every read. Only the new tokens are quantized, as they are
+written. Its `keys` / `values` are `QuantizedKV` views:
 decode attention dequantizes each row's keys straight into its fp32 scratch (app/core/runner/packed.py), the same pass
 it makes over a bf16 cache, over half the bytes; calls that need dense tensors (a prefill chunk, HF's own attention,
 BATCH_INVARIANT's calls) get `update`'s dequantized copy. The prefix cache keeps codes and scales as they lie, so a
@@ -51,7 +55,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 256  # tokens of storage a layer starts with (or its first pass, if longer)
-KEY_GROUP, VALUE_GROUP = 8, 32  # channels per fp16 scale (module docstring); a head not a multiple of it: one scale
+KEY_GROUP, VALUE_GROUP = 4, 32  # channels per fp16 scale (module docstring); a head not a multiple of it: one scale
 
 
 def scales_per_token(dim: int, group: int) -> int:
