@@ -95,9 +95,10 @@ def time_hf_generate(lm, prompt_ids: list[int], max_tokens: int) -> tuple[float,
 
 
 def profile_decode(lm, prompt_ids: list[int], steps: int) -> dict[str, float]:
-    """Milliseconds of a decode step under torch.profiler by where they go: the linears' kernels (of which the
-    lm_head), attention's, the other ops', and the rest, outside any op (Python, the loop, dispatch, and the
-    profiler's own cost); and the step timed without it. Our int4 kernel and the head are labelled for it."""
+    """Milliseconds of a decode step under torch.profiler by where they go: the linears' kernels, attention's, the
+    other ops', and the rest, outside any op (Python, the loop, dispatch, and the profiler's own cost); apart, the
+    lm_head's ops (its matmul and all around it); and the step timed without it. Our int4 kernel and the head are
+    labelled for it."""
     from app.models.int4_decode import Int4Kernel
 
     def labelled(name: str, call):
@@ -131,7 +132,7 @@ def profile_decode(lm, prompt_ids: list[int], steps: int) -> dict[str, float]:
                 "linears" if any(k in name for k in LINEAR_OPS) else "other ops")
         split[kind] += event.self_cpu_time_total / 1e3 / steps  # microseconds over the steps -> ms a step
     head_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key == "lm_head") / 1e3 / steps
-    return {"linears": split["linears"], "of which lm_head": head_ms, "attention": split["attention"],
+    return {"linears": split["linears"], "lm_head's ops": head_ms, "attention": split["attention"],
             "other ops": split["other ops"], "outside any op": profiled - sum(split.values()),
             "step, profiled": profiled, "step, not profiled": alone}
 
