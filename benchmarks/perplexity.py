@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> dict:
               "text_tokens": len(ids), "scored_tokens": len(ids) // args.ctx * (args.ctx - 1 - args.ctx // 2),
               "llama_cpp": {"perplexity": float(found["f16"][1]), "plus_minus": float(found["f16"][2]),
                             "perplexity_kv_q8_0": float(found["q8_0"][1])},
-              "ours": {"quant": settings.quant, "weight_bytes": lm.weight_bytes, "dtype": str(lm.dtype),
+              "ours": {"quant": settings.quant, "lm_head": type(lm.model.lm_head).__name__,
+                       "weight_bytes": lm.weight_bytes, "dtype": str(lm.dtype),
                        "perplexity": ours["auto"], "perplexity_kv_int8": ours["int8"], "kv_int8_key_group": KEY_GROUP}}
     report["ours"]["vs_llama_cpp"] = ours["auto"] / report["llama_cpp"]["perplexity"] - 1
     report["ours"]["kv_int8_vs_cache"] = ours["int8"] / ours["auto"] - 1

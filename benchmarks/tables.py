@@ -142,7 +142,10 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
 
 def perplexity_table(runs: list[tuple[str, dict]]) -> str:
     """`bench perplexity`: a GGUF as we serve it against llama-perplexity, on the same tokens, scored alike."""
-    rows = [[Path(r["model"]).name, f"`QUANT={r['ours']['quant']}`", f"{r['scored_tokens']:,}",
+    heads = {"DynamicInt8Linear": "dynamic int8", "WeightOnlyInt8Linear": "weight-only int8"}
+    rows = [[Path(r["model"]).name, f"`QUANT={r['ours']['quant']}`" + (f", lm_head {heads[r['ours']['lm_head']]}"
+                                                                      if r["ours"].get("lm_head") in heads else ""),
+             f"{r['scored_tokens']:,}",
              f"{r['llama_cpp']['perplexity']:.4f} ± {r['llama_cpp']['plus_minus']:.4f}",
              f"{r['llama_cpp']['perplexity_kv_q8_0']:.4f} "
              f"({r['llama_cpp']['perplexity_kv_q8_0'] / r['llama_cpp']['perplexity'] - 1:+.2%})",

@@ -107,7 +107,7 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
                 embedding = keep_whole = None
             elif quantizer is not None and complete_linear(module) and module is not keep_whole:
                 parent, child = parents[id(module)]  # QUANT=auto: never fewer bits than the file's (docstring)
-                setattr(parent, child, quantizer.int8(module) if own_bits_only else quantizer(module))
+                setattr(parent, child, quantizer.leftover(module) if own_bits_only else quantizer(module))
                 module.weight = None
             del module, tensor
             give_back_freed()

@@ -130,17 +130,16 @@ def quant_auto_dtype(quant: str, device: torch.device,
 
     Those kernels take fp32 activations (app/models/quant.py), so QUANT=int8 runs in fp32. QUANT=int4 does too where
     the CPU has no native bf16, for its int8 lm_head. Where it has (the defaults run bf16 there), QUANT=int4 runs in
-    bf16: its 4-bit kernel takes bf16 activations anyway, and the lm_head then runs weight-only int8 on the input
-    embedding's own int8 rows (app/models/quant_embedding.py). On a Zen 5, one run of `bench scaling` at the 0.5B
-    shape: RSS after one answer 0.61x of the defaults' against 0.72x in fp32, tokens/s at one stream the same
-    (1.01x), at 8 streams 0.96x (the head's weight-only kernel is slower at many rows), idle TTFT the same
-    (docs/performance.md "Memory")."""
+    bf16: its 4-bit kernel takes bf16 activations anyway, and the lm_head takes them in fp32 on the dynamic kernel
+    (app/models/quant.py `LinearQuantizer`). On a Zen 5, one run of `bench scaling` at the 0.5B shape, the head then
+    weight-only on the table's int8 rows: RSS after one answer 0.61x of the defaults' against 0.72x in fp32, tokens/s
+    at one stream the same (1.01x), at 8 streams 0.96x, idle TTFT the same (docs/performance.md "Memory")."""
     if quant == "none" or not dynamic_int8_supported(device, torch.float32):
         return None
     native, why = auto_dtype(device, features)
     if quant == "int4" and native == torch.bfloat16:
         return torch.bfloat16, (f"QUANT=int4 and {why}: bf16 activations, the 4-bit kernel's own; the lm_head on "
-                                "weight-only int8 (a tied one on the embedding table's int8 rows, held once)")
+                                "dynamic int8, in fp32")
     return torch.float32, f"QUANT={quant}: its dynamic int8 kernels take fp32 activations"
 
 

@@ -12,7 +12,8 @@ of fp32's bytes and half of bf16's. Two of torch's own kernels do the work, chos
   `aten._weight_int8pack_mm`, which dequantizes the weight on the fly and keeps the activations as they are.
   It has CPU kernels for every capability (AVX2, AVX-512, plain) and a CUDA kernel.
 
-`QUANT=int4`: the decoder's linear layers read 4-bit weights instead (app/models/quant_int4.py), the lm_head int8.
+`QUANT=int4`: the decoder's linear layers read 4-bit weights instead (app/models/quant_int4.py), the lm_head int8,
+on the dynamic kernel wherever one runs, in bf16 too (`LinearQuantizer`).
 
 None is exact. The embedded models' weights were dequantized from 4-bit GGUF, so each row holds few distinct
 values and an int8 grid per row represents them almost exactly; dynamic int8 adds rounding of the activations on
@@ -142,8 +143,8 @@ class DynamicInt8Linear(nn.Module):
             self.anchor = torch.zeros(1, self.in_features)
             self.anchor[0, :2] = torch.tensor([1.0, -1.0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] fp32 -> [..., out] fp32
-        reduce_range = self.reduce_range
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out] fp32
+        x, reduce_range = x.float(), self.reduce_range  # a bf16 hidden state: QUANT=int4's lm_head
         if self.anchor is not None:
             rows = x.reshape(-1, self.in_features)
             peak = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
@@ -243,6 +244,13 @@ class LinearQuantizer:
         self.int4_kernel = choose_int4_kernel(int4_kernel) if mode == "int4" else None
         self.int4 = (functools.partial(Int4Linear, wide_bf16=bool(wide_copy and self.bf16 and not batch_invariant),
                                        kernel=self.int4_kernel) if mode == "int4" else None)
+        # QUANT=int4's lm_head, the largest matmul of a step, on fbgemm's dynamic kernel where it runs: on a Zen 4
+        # the weight-only kernel took 10.5 ms of a 0.5B int4 step's 32.9 (bench generate --profile); fbgemm ran the
+        # same 151,936 x 896 head in 3.4-4.7 ms at one row, 6.3 against 24.7 at 8. A tied head then costs a packed
+        # copy beside the table's int8 rows (the table cannot gather from a packed weight).
+        head_engine = int8_engine()[0] if mode == "int4" and device.type == "cpu" and kernel == "auto" else None
+        self.head_int8 = head_engine and functools.partial(_dynamic_linear, engine=head_engine,
+                                                           anchored=batch_invariant)
         if kernel == "auto":
             kernel = "dynamic" if dynamic_int8_supported(device, self.dtype) else "weight_only"
         self.kernel, self.why = kernel, "weight-only"
@@ -255,9 +263,16 @@ class LinearQuantizer:
             self.int8 = functools.partial(WeightOnlyInt8Linear, dtype=self.dtype)
 
     def __call__(self, linear: nn.Linear) -> nn.Module:
+        if linear is self.head and self.head_int8:
+            return self.head_int8(linear)
         if self.int4 is not None and linear is not self.head and linear.in_features % INT4_GROUP == 0:
             return self.int4(linear)
         return self.int8(linear)
+
+    def leftover(self, linear: nn.Linear) -> nn.Module:
+        """A linear swapped at the end (an untied lm_head not streamed in yet, or any other left), or one that keeps
+        its GGUF bits (QUANT=auto): in int8, the lm_head on `head_int8` where there is one."""
+        return self.head_int8(linear) if linear is self.head and self.head_int8 else self.int8(linear)
 
 
 def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
@@ -265,13 +280,15 @@ def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
     of every float left, and the log lines; returns the int8 kernel."""
     kernel, dtype = quantizer.kernel, quantizer.dtype
     tied = quantizer.tied if quantizer.tied is not None else quantize_table(model, quantizer)
-    _swap_linears(model, quantizer.int8, lambda linear: True)  # an untied head whose weight was not swapped yet
+    _swap_linears(model, quantizer.leftover, lambda linear: True)  # an untied head whose weight was not swapped yet
     four_bits = sum(isinstance(m, Int4Linear) for m in model.modules())
     count = sum(isinstance(m, (DynamicInt8Linear, WeightOnlyInt8Linear)) for m in model.modules())
     if quantizer.int4 is not None:
         log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (%s; %s); the lm_head and any "
-                 "other layer read int8", four_bits, INT4_GROUP, _int4_kernel_note(quantizer.int4_kernel),
-                 _wide_copy_note(model, quantizer.wide_copy, quantizer.bf16, quantizer.batch_invariant))
+                 "other layer read int8%s", four_bits, INT4_GROUP, _int4_kernel_note(quantizer.int4_kernel),
+                 _wide_copy_note(model, quantizer.wide_copy, quantizer.bf16, quantizer.batch_invariant),
+                 f" (the lm_head on {model.lm_head.engine}'s dynamic kernel)"
+                 if isinstance(getattr(model, "lm_head", None), DynamicInt8Linear) else "")
     if count or not four_bits:
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s%s", count, kernel,
                  quantizer.why, "; the tied lm_head's int8 rows are the input embedding's, held once" if tied else "",
@@ -283,8 +300,12 @@ def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
 def quantize_table(model: nn.Module, quantizer: LinearQuantizer) -> int:
     """The input embedding table as int8 rows, shared with a tied lm_head where it can be (`_quantize_tied_head`);
     returns 1 where it is shared. A streamed load calls it as soon as the table has arrived."""
-    quantizer.tied = _quantize_tied_head(model, quantizer.kernel, quantizer.dtype)
-    if quantizer.tied:  # the float head swapped out: not kept alive here
+    head = tied_head(model)
+    if head is not None and quantizer.head_int8:  # packed from the shared weight before the table becomes int8 rows
+        model.lm_head, quantizer.tied = quantizer.head_int8(head), 0
+    else:
+        quantizer.tied = _quantize_tied_head(model, quantizer.kernel, quantizer.dtype)
+    if quantizer.tied or (head is not None and quantizer.head_int8):  # the float head swapped out: not kept here
         quantizer.head = None
     quantize_embedding(model, quantizer.dtype)
     return quantizer.tied

@@ -19,6 +19,7 @@ from torch import nn
 from app.config import Settings
 from app.core.generate import generate
 from app.core.sampling import SamplingParams
+from app.models.cpu import int8_engine
 from app.models.int4_decode import choose_int4_kernel
 from app.models.loading import load_model, quant_auto_dtype
 from app.models.prepack import decode_bytes_per_step
@@ -451,12 +452,21 @@ def test_dtype_auto_with_quant_follows_the_cpu_class(cpu_class, int4_dtype):
 
 
 @INT4
-def test_quant_int4_loads_in_this_cpus_dtype_with_its_head_on_the_matching_kernel(tiny_dir):
+def test_quant_int4_loads_in_this_cpus_dtype_with_its_head_on_the_fastest_int8_kernel(tiny_dir):
+    """The lm_head on fbgemm's (or oneDNN's) dynamic int8 kernel wherever one runs, in bf16 too: the weight-only
+    kernel took a third of a 0.5B int4 decode step on a Zen 4. Its logits come out in fp32, as the engine reads
+    them, and stay close to the weight-only head's."""
     lm = load_model(str(tiny_dir), "cpu", "auto", quant="int4")
     expected = quant_auto_dtype("int4", torch.device("cpu"))
     assert expected is None or (lm.dtype, lm.dtype_reason) == expected
-    head = lm.model.lm_head
-    assert isinstance(head, WeightOnlyInt8Linear if lm.dtype == torch.bfloat16 else DynamicInt8Linear)
+    dynamic = int8_engine()[0] is not None
+    assert isinstance(lm.model.lm_head, DynamicInt8Linear if dynamic else WeightOnlyInt8Linear)
     ids = torch.tensor([[1, 5, 9, 12]])
     with torch.inference_mode():
-        assert lm.model(ids).logits.dtype == lm.dtype
+        logits = lm.model(ids).logits
+        assert logits.dtype == (torch.float32 if dynamic else lm.dtype)
+        if dynamic:  # the same weights' int8 rows on the weight-only kernel, for comparison
+            lm.model.lm_head = WeightOnlyInt8Linear(load_model(str(tiny_dir), "cpu", "float32").model.lm_head,
+                                                    lm.dtype)
+            weight_only = lm.model(ids).logits.float()
+            assert (logits - weight_only).abs().max() <= 0.05 * weight_only.abs().max()
