@@ -263,11 +263,9 @@ class LinearQuantizer:
             self.int8 = functools.partial(WeightOnlyInt8Linear, dtype=self.dtype)
 
     def __call__(self, linear: nn.Linear) -> nn.Module:
-        if linear is self.head and self.head_int8:
-            return self.head_int8(linear)
         if self.int4 is not None and linear is not self.head and linear.in_features % INT4_GROUP == 0:
             return self.int4(linear)
-        return self.int8(linear)
+        return self.leftover(linear)
 
     def leftover(self, linear: nn.Linear) -> nn.Module:
         """A linear swapped at the end (an untied lm_head not streamed in yet, or any other left), or one that keeps
