@@ -25,7 +25,7 @@ def run_generate(args: argparse.Namespace, settings: Settings) -> int:
                              "/v1/embeddings", param="model")
     lm = load_model(settings.model, settings.device, settings.dtype, settings.model_cache, prepack=settings.prepack,
                     quant=settings.quant, int4_wide_copy=settings.int4_wide_copy, int4_kernel=settings.int4_kernel,
-                    batch_invariant=settings.batch_invariant)
+                    batch_invariant=settings.batch_invariant, decode_attention=settings.decode_attention)
     request = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     request["inspect"] = show
     params = resolve_sampling_params(request, lm.generation_defaults)

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
                                  "it, else AVX2; vnni, avx2, reference (plain C++, slow): that path of ours; aten: "
                                  "torch's int4 kernel (bf16 activations), which is also what runs where ours "
                                  "cannot be built or the CPU has neither (the start log says why)")
+    decode_attention: Literal["auto", "avx512", "avx2", "reference", "torch"] = Field("auto", description="the "
+                                 "CPU's attention for decode rows over a bf16 or 8-bit KV cache: auto: our kernel "
+                                 "(built with the C++ compiler at the first such load), its AVX-512 path where "
+                                 "the CPU has it, else AVX2; avx512, avx2, reference (plain C++, slow): that path; "
+                                 "torch: torch's ops over an fp32 copy of the cache, which is also what runs where "
+                                 "ours cannot be built (the start log says why)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "
                                                           "logprobs do not depend on what else is running (each op "
                                                           "computes a row the same way at any batch, LoRA adapters' "

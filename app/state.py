@@ -100,7 +100,8 @@ class ServerState:
                                          prepack=s.prepack, quant=s.quant, tensor_parallel=s.tensor_parallel,
                                          int4_wide_copy=s.int4_wide_copy, int4_kernel=s.int4_kernel,
                                          batch_invariant=s.batch_invariant,
-                                         decode_step=s.decode_step, lora=s.lora, kv_cache_dtype=s.kv_cache_dtype)
+                                         decode_step=s.decode_step, lora=s.lora, kv_cache_dtype=s.kv_cache_dtype,
+                                         decode_attention=s.decode_attention)
             if self.kind == "embedding":
                 await self._load_embedding(loader)
             else:

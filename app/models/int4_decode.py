@@ -27,55 +27,30 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from app.models.cpu import cpu_features
+from app.models.cpu_kernels import CpuKernel, build, open_path
 
 log = logging.getLogger("app.models.int4_decode")
 
 INT4_KERNELS = ("auto", "vnni", "avx2", "reference", "aten")
 PATHS = {"reference": 0, "avx2": 1, "vnni": 2}  # int4_decode.cpp's path numbers
 SOURCE = Path(__file__).with_name("int4_decode.cpp")
-BUILDS = Path.home() / ".cache" / "simple-serve" / "kernels"
 
 
-@functools.cache
 def extension() -> tuple[Any, str | None]:
-    """The compiled int4_decode.cpp, or None and why not. Built once per machine and torch (cpp_extension rebuilds
-    when the source changes, and locks its folder against a second process building at the same time)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        folder = BUILDS / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-        folder.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        # -fopenmp: at::parallel_for is inline OpenMP, serial without it; it joins torch's own libgomp at run time
-        module = load(name="simple_serve_int4_decode", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
-        log.info("int4 kernel ready in %.1f s (%s)", time.perf_counter() - started, folder)
-        return module, None
-    except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failed build: aten's kernel instead
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return None, f"{SOURCE.name} could not be built ({type(err).__name__}: {first[:200]})"
+    """The compiled int4_decode.cpp, or None and why not."""
+    return build("simple_serve_int4_decode", SOURCE)
 
 
-@dataclass(frozen=True)
-class Int4Kernel:
+class Int4Kernel(CpuKernel):
     """What `Int4Linear` multiplies with: a path of int4_decode.cpp, or "aten" (torch's kernel), and why."""
 
-    name: str
-    why: str
-    module: Any = None
-
-    @property
-    def ours(self) -> bool:
-        return self.name in PATHS
+    PATHS = PATHS
 
     def pack(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
         """codes int32 [out, in], `fp16_scales` -> the kernel's layout, one uint8 buffer."""
@@ -112,11 +87,9 @@ def choose_int4_kernel(asked: str = "auto") -> Int4Kernel:
             name = "avx2"
         else:
             return Int4Kernel("aten", f"cpu {cpu.describe()} has neither AVX512-VNNI nor AVX2")
-    module, why = extension()
-    if module is None or not module.supported(PATHS[name]):
-        why = why or f"INT4_KERNEL={asked}, but cpu {cpu.describe()} lacks its instructions"
+    module, why = open_path("INT4_KERNEL", asked, name, PATHS, extension,
+                            {"vnni": "AVX512-VNNI", "avx2": "AVX2", "reference": "the plain C++ reference, slow,"})
+    if module is None:
         log.warning("quant=int4: our kernel cannot run here: %s; aten's int4 kernel instead", why)
         return Int4Kernel("aten", why)
-    reason = (f"AVX512-VNNI on cpu {cpu.describe()}" if name == "vnni" else
-              f"AVX2 on cpu {cpu.describe()}" if name == "avx2" else "the plain C++ reference, slow")
-    return Int4Kernel(name, reason + ("" if asked == "auto" else f", INT4_KERNEL={asked}"), module)
+    return Int4Kernel(name, why, module)

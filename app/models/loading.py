@@ -23,6 +23,7 @@ from app.models.chat_template import render_chat, template_variables
 from app.models.architectures import unservable
 from app.models.batch_rows import copy_bytes, copy_bytes_held, use_batch_rows
 from app.models.cpu import CpuFeatures, auto_dtype, prepack_support
+from app.models.decode_attention import choose_attention_kernel
 from app.models.distributed import Ranks, tp_plan_problem
 from app.models.fetch import EMBEDDED
 from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
@@ -63,6 +64,7 @@ class LoadedModel:
     batch_invariant: bool = False  # BATCH_INVARIANT resolved (app/models/invariance.py)
     invariance: str = "off: not loaded by load_model"  # why it is on or off
     kv_int8: bool = False  # KV_CACHE_DTYPE=int8: each request's cache keeps 8-bit keys and values
+    decode_attention: Any = None  # app.models.decode_attention.AttentionKernel on a CPU (None: the torch version)
     vision: Any = None  # app.models.vision.VisionEncoder: the model takes images (None: text alone)
     kind = "chat"  # what the server serves with it (app/models/pooling.py's PoolingModel: "embedding")
 
@@ -148,7 +150,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                max_model_len: int | None = None, prepack: str | bool = "auto", quant: str = "none",
                tensor_parallel: int = 1, int4_wide_copy: bool = False, int4_kernel: str = "auto",
                batch_invariant: str = "auto", decode_step: str = "eager",
-               lora: bool = False, kv_cache_dtype: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
+               lora: bool = False, kv_cache_dtype: str = "auto",
+               decode_attention: str = "auto") -> LoadedModel | PoolingModel | CrossEncoderModel:
     """`tensor_parallel` > 1: this process is one of that many ranks started by torchrun, and loads its shard
     (app/models/distributed.py). `lora`: LoRA adapters will be served (BATCH_INVARIANT=auto weighs them)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -227,6 +230,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if invariant:
         invariance = f"{invariance}; {make_linears_invariant(model, torch_dtype, ranks is not None)}"
     log.info("batch invariance %s: %s", "on" if invariant else "off", invariance)
+    attention = None  # decode rows in fp32 (the oracle) keep SDPA; on a GPU too (app/core/runner/packed.py)
+    if torch_device.type == "cpu" and (torch_dtype != torch.float32 or kv_cache_dtype == "int8"):
+        attention = choose_attention_kernel(decode_attention)
+        log.info("decode attention: %s", attention.describe())
     weight_bytes = {} if ranks is not None else weight_bytes_by_format(model)  # a rank's shards: not counted here
     if weight_bytes:
         log.info("weights in memory: %s", describe(weight_bytes))
@@ -242,7 +249,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
                        eos_ids=tuple(sorted(eos_ids)), generation_defaults=defaults, dtype_reason=dtype_reason,
                        prepack=prepack_state, ranks=ranks, weight_bytes=weight_bytes,
                        batch_invariant=invariant, invariance=invariance, kv_int8=kv_cache_dtype == "int8",
-                       vision=vision)
+                       vision=vision, decode_attention=attention)
 
 
 def _load_pooling(source: str, name: str, device: torch.device, dtype: str, max_model_len: int | None, quant: str,

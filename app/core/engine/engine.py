@@ -179,7 +179,7 @@ class Engine:
             self.lm = self._load()
             if self.adapters is not None:  # before the compiled step is traced: it sees the wrapped layers
                 self.adapters.attach(self.lm.model)
-            self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model)
+            self.batch_decode = self.packed_batching and enable_packed_batching(self.lm.model, self.lm.decode_attention)
             if self.lm.batch_invariant and not self.batch_decode:  # its chunks' attention depends on the budget
                 self.lm.invariance_cannot_hold("this model runs one request per pass on its own attention, whose "
                                                "prompt chunks depend on what else prefills")  # on: ConfigError

@@ -35,8 +35,8 @@ import torch
 
 from app.core.runner.image_groups import row_groups, solo_masks
 from app.core.runner.kv_pool import POOLED
-from app.core.runner.packed import (PACKED, PACKED_EAGER, PACKED_STEP, PackedCaches, attention_windows, decode_matmuls, latent_kv,
-                                    packed_inputs)
+from app.core.runner.packed import (PACKED, PACKED_EAGER, PACKED_STEP, PackedCaches, attention_windows, decode_kernel,
+                                    decode_matmuls, latent_kv, packed_inputs)
 from app.models.batch_rows import batch_rows
 from app.models.lora_layers import adapter_rows
 from app.models.logits import logits_from_hidden
@@ -71,7 +71,8 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)] if invariant else None
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
                                        latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill,
-                                       views=model.config._attn_implementation == PACKED, groups=groups)
+                                       views=model.config._attn_implementation == PACKED, groups=groups,
+                                       kernel=decode_kernel(model))
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     _write_images(model, inputs, work, items, spans)  # a prompt chunk with image placeholders: their embeddings

@@ -21,11 +21,12 @@ cache costs +3.76% on the same file, and groups of 4 -0.27%. A Hadamard rotation
 or 16; quantizing them before RoPE with the bias taken out would keep groups of 8 (+0.14% in an fp32 trial) at the
 price of adding each position's rotated bias back on every read. Only the new tokens are quantized, as they are
 written. Its `keys` / `values` are `QuantizedKV` views:
-decode attention dequantizes each row's keys straight into its fp32 scratch (app/core/runner/packed.py), the same pass
-it makes over a bf16 cache, over half the bytes; calls that need dense tensors (a prefill chunk, HF's own attention,
-BATCH_INVARIANT's calls) get `update`'s dequantized copy. The prefix cache keeps codes and scales as they lie, so a
-hit restores the very values a cold run attends to. Every reader therefore sees the rounded values, prefill included:
-a request's answer does not depend on whether its prefix came from the cache or from a chunked prefill.
+decode attention's kernel (app/models/decode_attention.py) reads the codes and scales where they lie, as it reads a
+bf16 cache (without it, packed.py dequantizes each row's keys into its fp32 scratch); calls that need dense tensors
+(a prefill chunk, HF's own attention, BATCH_INVARIANT's calls) get `update`'s dequantized copy. The prefix cache
+keeps codes and scales as they lie, so a hit restores the very values a cold run attends to. Every reader therefore
+sees the rounded values, prefill included: a request's answer does not depend on whether its prefix came from the
+cache or from a chunked prefill.
 
 Where a decode step's time goes (Qwen2.5-0.5B in bf16, one stream, a 2-core Zen 4; per layer, each step runs 24):
 - Quantizing one token is a chain of small ops, each a few µs whatever its size: keys and values apart took ~80 µs
@@ -41,8 +42,8 @@ Where a decode step's time goes (Qwen2.5-0.5B in bf16, one stream, a 2-core Zen 
   for a decode row but rounded for a prefill chunk or a speculative verify pass over the same positions (one dense
   key tensor serves all of a chunk's queries), so speculation and chunking would change a request's tokens;
   torch.compile of the dequantize, timed: ~35 µs a call at 128 tokens and ~170 at 4,096, above eager's ~9 and ~48.
-What is left is that chain, a dozen ops a layer, and the multiply over the keys: the 8-bit cache saves memory, not
-time (docs/performance.md).
+Where decode attention's kernel is built, it also replaces that chain (`quantize_into`: the same bits in one call)
+and reads the codes with no multiply over a copy; without it, the chain and the multiply remain.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from functools import partial
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from app.models.decode_attention import loaded_kernel
 
 MIN_CAPACITY = 256  # tokens of storage a layer starts with (or its first pass, if longer)
 KEY_GROUP, VALUE_GROUP = 4, 32  # channels per fp16 scale (module docstring); a head not a multiple of it: one scale
@@ -234,8 +237,12 @@ class Int8Layer(GrowingLayer):
             key_codes.copy_(key_states.codes), key_scales.copy_(key_states.scales)
             value_codes.copy_(value_states.codes), value_scales.copy_(value_states.scales)
             return
-        # `quantize_kv` for keys and values in one chain of ops (a new token's are a few hundred bytes: the ops'
-        # count is the cost): a value group's absmax is the largest of its key groups' (value groups are whole
+        if (kernel := loaded_kernel()) is not None and key_codes.device.type == "cpu":  # the same bits in one call
+            kernel.quantize_into(key_states[0], key_codes[0], key_scales[0])
+            kernel.quantize_into(value_states[0], value_codes[0], value_scales[0])
+            return
+        # without the kernel: `quantize_kv` for keys and values in one chain (a new token's are a few hundred bytes:
+        # the ops' count is the cost): a value group's absmax is the largest of its key groups' (value groups are whole
         # multiples of key groups: 32 = 4 x 8, or the whole head)
         keys, values = self.groups
         x = torch.stack((key_states[0], value_states[0])).float()  # [2, kv_heads, n, d]

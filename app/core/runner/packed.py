@@ -16,11 +16,11 @@ Two pieces make the HF model accept such a row without touching its code:
   run would get, so only attention is per request, and the projections and MLPs still see all rows at once.
   Chunked attention and recurrent layers are refused at start (app/models/architectures.py).
 
-The projections and MLPs see no padding at all. On a CPU in bf16/fp16 the decode rows take two fp32 matmuls each
-(`grouped_decode_attention`: far faster there than SDPA) over their own keys where they lie: each cache is a
-`KVStore` that grows in place (app/core/runner/kv_store.py), so a decode step copies no cache; it only casts each
-row's keys and values into one fp32 scratch that every layer reuses (an 8-bit cache, KV_CACHE_DTYPE=int8, is
-dequantized there instead: the same pass over half the bytes). Short rows (`PAD_UP_TO`), and every row in
+The projections and MLPs see no padding at all. Each cache is a `KVStore` that grows in place
+(app/core/runner/kv_store.py). On a CPU in bf16/fp16 (or over an 8-bit cache) the decode rows take our C++ kernel
+where it is built (app/models/decode_attention.py: every row in one call, over its cache where it lies); without it,
+two fp32 matmuls each (`grouped_decode_attention`: far faster there than SDPA) over one fp32 scratch that every
+layer reuses, its keys and values cast (or dequantized) into it. Short rows (`PAD_UP_TO`), and every row in
 fp32 or on a GPU, share one call over their keys left-padded to one width, the padding masked out (SDPA: measured
 57-62 ms per batch-8 step, against 77 ms with one call per request). Each prefill chunk gets its own call, unpadded.
 A step with one request (outside that case) is not packed at all: `forward` (app/core/runner/forward.py) runs it
@@ -59,6 +59,7 @@ PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's
 # ~100 keys, 28 ms a step against 36 for a call per row; past it a call per row wins (8 rows of 250-509 keys: 37 ms
 # against 132, the padded copies' fresh pages), and copies no cache.
 PAD_UP_TO = 256
+_DECODE_KERNELS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its decode rows' kernel (`enable_packed_batching`)
 
 
 def latent_kv(config) -> tuple[int, int] | None:
@@ -91,7 +92,7 @@ class PackedCaches:
     def __init__(self, caches: Sequence[DynamicCache], spans: list[tuple[int, int]], device: torch.device,
                  windows: Sequence[int | None] | None = None, latent: bool = False,
                  starts: Sequence[int] | None = None, prefill: Sequence[bool] | None = None, views: bool = False,
-                 groups: Sequence[tuple] | None = None):
+                 groups: Sequence[tuple] | None = None, kernel: Any = None):
         """`starts` (each request's first absolute position) and `prefill` (whether it feeds prompt tokens): given
         under BATCH_INVARIANT, whose attention calls they fix (app/core/runner/pieces.py). `views`: attention is
         `packed_attention`, which reads an 8-bit cache's decode rows where they lie (QuantizedKV); other calls get
@@ -111,6 +112,7 @@ class PackedCaches:
         self.groups = [tuple(g) for g in groups] if groups is not None else [()] * len(spans)
         self.calls = invariant_calls(spans, self.starts, list(prefill), self.groups) if starts is not None else None
         self.views = views and self.calls is None and not latent
+        self.kernel = kernel  # decode rows' attention kernel on a CPU (app/models/decode_attention.py), or None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
@@ -226,7 +228,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         quantized = any(isinstance(key.tensors[i], QuantizedKV) for i in step.decoding)
         matmuls, scale = decode_matmuls(query.device, query.dtype) or quantized, scaling or q.shape[-1] ** -0.5
         lengths = [key.tensors[i].shape[-2] for i in step.decoding]
-        if matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
+        if matmuls and step.kernel is not None:  # every row in one call over its keys where they lie, unpadded
+            keys = [_shown(key.tensors[i], window) for i in step.decoding]
+            values = [_shown(value.tensors[i], window) for i in step.decoding]
+            out[0, step.decode_rows] = step.kernel.attend(q[:, :, 0], keys, values, scale).to(query.dtype)
+        elif matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
             for b, i in enumerate(step.decoding):
                 k, v = key.tensors[i], value.tensors[i]  # [1, kv_heads, len_i, d]
                 if window is not None:  # the keys a sliding window still shows
@@ -250,6 +256,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         o, _ = sdpa_attention_forward(module, query[:, :, start:end], k, v, mask, dropout=dropout, scaling=scaling)
         out[:, start:end] = o
     return out, None
+
+
+def _shown(tensor, window: int | None):
+    """The keys or values [1, kv_heads, n, d] a sliding window still shows (all of them without one)."""
+    return tensor if window is None else tensor[:, :, -window:]
 
 
 def decode_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
@@ -352,20 +363,28 @@ def attention_windows(model) -> list[int | None] | None:
     return _WINDOWS[model]
 
 
-def enable_packed_batching(model) -> bool:
+def enable_packed_batching(model, decode_kernel: Any = None) -> bool:
     """Switch an SDPA model to `packed_attention`, an eager one to `packed_eager_attention` (each identical for solo
-    calls). False: keep one request per pass."""
+    calls), `decode_kernel` (app/models/decode_attention.py: ours or torch's) attending its decode rows on a CPU.
+    False: keep one request per pass."""
     implementation = model.config._attn_implementation
     if attention_windows(model) is None:
         return False  # attention the packed masks do not express: one request per pass
     if implementation in ("sdpa", PACKED):
         model.set_attn_implementation(PACKED)
+        if decode_kernel is not None and decode_kernel.ours:
+            _DECODE_KERNELS[model] = decode_kernel
         return True
     if implementation in ("eager", PACKED_EAGER) and hasattr(sys.modules[type(model).__module__],
                                                               "eager_attention_forward"):
         model.set_attn_implementation(PACKED_EAGER)
         return True
     return False  # another kernel (flash attention, say): one request per pass
+
+
+def decode_kernel(model) -> Any:
+    """The kernel `enable_packed_batching` gave this model's decode rows, or None (torch's ops)."""
+    return _DECODE_KERNELS.get(model)
 
 
 def packed_inputs(items: Sequence[tuple[torch.Tensor, int]], device: torch.device) -> dict[str, Any]:
