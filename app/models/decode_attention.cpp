@@ -1,5 +1,5 @@
 // Decode attention on the CPU (app/models/decode_attention.py builds and loads it): one query row per request,
-// grouped-query attention over that request's keys and values where its cache keeps them, bf16 / fp16 or
+// grouped-query attention over that request's keys and values where its cache keeps them, bf16 / fp16 / fp32 or
 // 8-bit codes with fp16 scales (app/core/runner/kv_store.py's `Int8Layer`), in one pass per KV head: scores,
 // softmax and the weighted sum of values, all in fp32. Nothing is copied or dequantized into a scratch tensor
 // first, which is what the torch version (`grouped_decode_attention` over a cast copy) spends its time on at long
@@ -10,7 +10,7 @@
 // batch. The loops are written for the compiler to vectorize (tokens innermost where the 8-bit keys keep them,
 // channels innermost elsewhere) and the body is compiled three times, for AVX-512, for AVX2 and for the baseline
 // (target attributes), so one build serves every x86 CPU and the path is chosen at run time. The paths add in
-// different vector widths, so their fp32 sums round differently; tests/fast/test_decode_attention.py bounds them
+// different vector widths, so their fp32 sums round differently; tests/fast/test_decode_attention_kernel.py bounds them
 // against the torch version.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -270,6 +270,7 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& keys, cons
   TORCH_CHECK(path_supported(path), "this CPU cannot run decode attention path ", path);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, heads, d] fp32");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  if (batch == 0) return at::empty({0, heads, values.empty() ? d : values[0].size(2)}, q.options());
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == batch && key_scales.size() == keys.size() &&
                   values.size() == keys.size() && value_scales.size() == keys.size(),
               "one key, key scale, value and value scale tensor per request");
@@ -283,7 +284,8 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& keys, cons
     TORCH_CHECK(keys[b].size(1) > 0, "a request with no keys");
     const auto kt = keys[b].scalar_type();
     TORCH_CHECK(kt == values[b].scalar_type(), "keys and values of one request in one dtype");
-    TORCH_CHECK(kt == at::kBFloat16 || kt == at::kHalf || kt == at::kChar, "keys in ", kt, " are not supported");
+    TORCH_CHECK(kt == at::kBFloat16 || kt == at::kHalf || kt == at::kFloat || kt == at::kChar, "keys in ", kt,
+                " are not supported");
   }
   auto out = at::empty({batch, heads, dv}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -299,6 +301,8 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& keys, cons
         attend_path<at::BFloat16>(path, qh, group, d, dv, k, v, n, scaling, oh);
       else if (kt == at::kHalf)
         attend_path<at::Half>(path, qh, group, d, dv, k, v, n, scaling, oh);
+      else if (kt == at::kFloat)
+        attend_path<float>(path, qh, group, d, dv, k, v, n, scaling, oh);
       else if (kt == at::kChar)
         attend_path<int8_t>(path, qh, group, d, dv, k, v, n, scaling, oh);
     }

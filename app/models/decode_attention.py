@@ -1,10 +1,10 @@
 """Decode attention's CPU kernel (DECODE_ATTENTION): one query row per request over its cache where it lies.
 
 A decode row's attention reads every key and value its request holds. The torch version
-(`grouped_decode_attention`, app/core/runner/packed.py) first casts them, or dequantizes an 8-bit cache, into an
+(`grouped_decode_attention`, app/core/runner/torch_decode.py) first casts them, or dequantizes an 8-bit cache, into an
 fp32 scratch, per layer and step, then runs two matmuls and a softmax as separate ops: at 4,096 tokens that copy
 and the ops around it cost more than the reads themselves. `decode_attention.cpp` makes one pass per KV head over
-the cache as it is kept (bf16, fp16, or int8 codes with their fp16 scales), scores, softmax and values in
+the cache as it is kept (bf16, fp16, fp32, or int8 codes with their fp16 scales), scores, softmax and values in
 fp32, every decode row of a pass in one call with no padding. Its three paths (AVX-512, AVX2, a baseline build)
 are one C++ body compiled for each; they round their fp32 sums in different orders, so tests bound each against
 the torch version rather than against each other.

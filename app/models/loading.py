@@ -230,8 +230,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
     if invariant:
         invariance = f"{invariance}; {make_linears_invariant(model, torch_dtype, ranks is not None)}"
     log.info("batch invariance %s: %s", "on" if invariant else "off", invariance)
-    attention = None  # decode rows in fp32 (the oracle) keep SDPA; on a GPU too (app/core/runner/packed.py)
-    if torch_device.type == "cpu" and (torch_dtype != torch.float32 or kv_cache_dtype == "int8"):
+    attention = None  # decode rows of the fp32 oracle (fp32, no QUANT) keep SDPA; on a GPU too (packed.py)
+    if torch_device.type == "cpu" and (torch_dtype != torch.float32 or kv_cache_dtype == "int8" or quant != "none"):
         attention = choose_attention_kernel(decode_attention)
         log.info("decode attention: %s", attention.describe())
     weight_bytes = {} if ranks is not None else weight_bytes_by_format(model)  # a rank's shards: not counted here

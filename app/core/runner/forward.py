@@ -57,7 +57,9 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         items.append((seq.token_ids[0, cached : cached + n], cached))  # ([n] token ids, first position)
     groups = [row_groups(seq, start, len(tokens)) for (seq, _), (tokens, start) in zip(work, items)]  # Gemma 3
     int8 = getattr(work[0][0].cache, "int8", False)  # an 8-bit cache: one row packs too, to read it where it lies
-    if len(work) == 1 and not (engine_pass and packed and (invariant or int8 or decode_matmuls(device, model.dtype))):
+    kernel = decode_kernel(model)  # our decode attention (a CPU outside the fp32 oracle): one row packs too, to use it
+    packs_alone = engine_pass and packed and (invariant or int8 or kernel or decode_matmuls(device, model.dtype))
+    if len(work) == 1 and not packs_alone:
         (seq, _), ((tokens, start),) = work[0], items  # the solo pass: the row's own cache, no mask to build
         inputs = {"input_ids": tokens[None, :], "cache": seq.cache,  # [1, n]
                   "position_ids": torch.arange(start, start + len(tokens), device=device)[None, :]}
@@ -72,7 +74,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
                                        latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill,
                                        views=model.config._attn_implementation == PACKED, groups=groups,
-                                       kernel=decode_kernel(model))
+                                       kernel=kernel)
         if inputs["cache"].latent:  # MLA: attention cuts the keys the model expanded (app/core/runner/packed.py)
             inputs[PACKED_STEP] = inputs["cache"]
     _write_images(model, inputs, work, items, spans)  # a prompt chunk with image placeholders: their embeddings

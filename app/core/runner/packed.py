@@ -50,6 +50,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from app.core.runner.kv_store import QuantizedKV, fp32_like
+from app.core.runner.torch_decode import decode_matmuls, grouped_decode_attention
 from app.core.runner.pieces import Call, attend_in_calls, invariant_calls
 
 PACKED = "simple_serve_packed"
@@ -59,6 +60,7 @@ PACKED_STEP = "simple_serve_step"  # the keyword under which a latent-KV model's
 # ~100 keys, 28 ms a step against 36 for a call per row; past it a call per row wins (8 rows of 250-509 keys: 37 ms
 # against 132, the padded copies' fresh pages), and copies no cache.
 PAD_UP_TO = 256
+KERNEL_CHUNK = 16  # chunks of at most this many tokens (speculative verify passes) take the decode kernel too
 _DECODE_KERNELS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its decode rows' kernel (`enable_packed_batching`)
 
 
@@ -112,13 +114,22 @@ class PackedCaches:
         self.groups = [tuple(g) for g in groups] if groups is not None else [()] * len(spans)
         self.calls = invariant_calls(spans, self.starts, list(prefill), self.groups) if starts is not None else None
         self.views = views and self.calls is None and not latent
-        self.kernel = kernel  # decode rows' attention kernel on a CPU (app/models/decode_attention.py), or None
+        self.kernel = kernel if self.calls is None else None  # app/models/decode_attention.py's, on a CPU, or None
+        # The rows the kernel attends: each decode row, and each row of a short chunk (a speculative verify pass,
+        # whose SDPA call over a long cache cost more than the whole decode step) over the keys up to its own
+        # position. (position in the pass, request, keys hidden from it); `small`: those chunks' requests.
+        self.small = {i for i in self.chunks if spans[i][1] - spans[i][0] <= KERNEL_CHUNK and not self.groups[i]
+                      and not latent} if self.kernel is not None else set()
+        self.kernel_rows = [(spans[i][0] + j, i, spans[i][1] - spans[i][0] - 1 - j) for i in sorted(
+            set(self.decoding) | self.small) for j in range(spans[i][1] - spans[i][0])] if self.kernel else []
+        self.kernel_positions = torch.tensor([row[0] for row in self.kernel_rows], dtype=torch.long, device=device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T_total, head_dim] for all requests' new tokens."""
         keys, values = [], []
-        for cache, (start, end) in zip(self.caches, self.spans):
-            views = self.views and end - start == 1 and hasattr(cache, "append")  # a decode row of a KVStore
+        for index, (cache, (start, end)) in enumerate(zip(self.caches, self.spans)):
+            # a decode row (or a short chunk the kernel reads) of a KVStore: the cache's own views, maybe 8-bit
+            views = self.views and (end - start == 1 or index in self.small) and hasattr(cache, "append")
             k, v = (cache.append if views else cache.update)(key_states[:, :, start:end],
                                                               value_states[:, :, start:end], layer_idx)
             keys.append(k)
@@ -222,17 +233,19 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                                attend), None
     # [1, T_total, heads, value head_dim]: MLA's values are not the size of its keys and queries
     out = query.new_empty(1, query.shape[2], query.shape[1], value.tensors[0].shape[-1])
-    if step.decoding:
+    if step.kernel_rows:  # every decode row and short chunk's row in one call, over its keys where they lie
+        keys = [_shown(_upto(key.tensors[i], hidden), window) for _, i, hidden in step.kernel_rows]
+        values = [_shown(_upto(value.tensors[i], hidden), window) for _, i, hidden in step.kernel_rows]
+        q = query[0, :, step.kernel_positions].transpose(0, 1)  # [rows, heads, head_dim]
+        out[0, step.kernel_positions] = step.kernel.attend(q, keys, values, scaling or q.shape[-1] ** -0.5).to(
+            query.dtype)
+    elif step.decoding:
         q = query[0, :, step.decode_rows, None, :].transpose(0, 1)  # [B, heads, 1, head_dim]
         # an 8-bit cache's rows take the fp32 matmuls whatever the dtype: they dequantize into the fp32 scratch
         quantized = any(isinstance(key.tensors[i], QuantizedKV) for i in step.decoding)
         matmuls, scale = decode_matmuls(query.device, query.dtype) or quantized, scaling or q.shape[-1] ** -0.5
         lengths = [key.tensors[i].shape[-2] for i in step.decoding]
-        if matmuls and step.kernel is not None:  # every row in one call over its keys where they lie, unpadded
-            keys = [_shown(key.tensors[i], window) for i in step.decoding]
-            values = [_shown(value.tensors[i], window) for i in step.decoding]
-            out[0, step.decode_rows] = step.kernel.attend(q[:, :, 0], keys, values, scale).to(query.dtype)
-        elif matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
+        if matmuls and (len(lengths) == 1 or max(lengths) > PAD_UP_TO):  # each row over its keys where they lie
             for b, i in enumerate(step.decoding):
                 k, v = key.tensors[i], value.tensors[i]  # [1, kv_heads, len_i, d]
                 if window is not None:  # the keys a sliding window still shows
@@ -250,6 +263,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                 o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)
                 out[0, step.decode_rows] = o[:, 0]  # [B, 1, heads, d]
     for i in step.chunks:  # each prefill chunk: its own call, unpadded
+        if i in step.small:
+            continue
         start, end = step.spans[i]
         k, v = key.tensors[i], value.tensors[i]
         mask = step.chunk_mask(end - start, k.shape[-2], window, step.groups[i])
@@ -258,32 +273,14 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     return out, None
 
 
+def _upto(tensor, hidden: int):
+    """The keys or values [1, kv_heads, n, d] a row sees when the last `hidden` are its chunk's later tokens."""
+    return tensor[:, :, : tensor.shape[-2] - hidden] if hidden else tensor
+
+
 def _shown(tensor, window: int | None):
     """The keys or values [1, kv_heads, n, d] a sliding window still shows (all of them without one)."""
     return tensor if window is None else tensor[:, :, -window:]
-
-
-def decode_matmuls(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode rows take `grouped_decode_attention` instead of SDPA: on a CPU in half precision."""
-    return device.type == "cpu" and dtype != torch.float32
-
-
-def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                             scaling: float) -> torch.Tensor:
-    """One query per request, grouped-query attention as two fp32 matmuls: q [B, heads, 1, d], k and v
-    [B, kv_heads, width, d] fp32, additive mask [B, 1, 1, width] fp32 (None: every key seen) -> [B, heads, d] fp32.
-
-    Why: torch's CPU SDPA is slow for one bf16 query over a long cache (measured 29 of a 54 ms decode step at
-    2,000 tokens). Each KV head serves its group of query heads without repeating its keys.
-    Not bit-identical to bf16 SDPA: scores and softmax are computed in fp32 from the same bf16 inputs, so this is
-    the more precise of the two; tests/fast/test_decode_attention.py bounds the difference.
-    """
-    batch, kv_heads, _, dim = k.shape
-    grouped = q.reshape(batch, kv_heads, -1, dim).float()  # [B, kv_heads, groups, d]: heads h*g..h*g+g-1 share h
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling)  # [B, kv_heads, groups, width]
-    if mask is not None:
-        scores.add_(mask)
-    return torch.matmul(scores.softmax(-1), v).reshape(batch, -1, v.shape[-1])  # d_v: MLA's differs from d
 
 
 def _left_padded(keys: list[torch.Tensor], values: list[torch.Tensor],
