@@ -7,9 +7,9 @@ MODEL ?= qwen2.5-coder-0.5b-instruct
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: setup models chromium qemu serve batch test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
+.PHONY: setup models kernels chromium qemu serve batch test test-avx2 test-fast screenshot bench bench-compare bench-quality bench-shortcuts docs-figures gpu-check clean
 
-setup: $(VENV)/.installed models
+setup: $(VENV)/.installed models kernels
 
 # Reinstall only when the dependency list changes.
 $(VENV)/.installed: pyproject.toml
@@ -31,6 +31,13 @@ $(VENV)/.installed: pyproject.toml
 # The embedded default model and the second test architecture; fetched once, then a no-op.
 models: $(VENV)/.installed
 	$(PY) -m app fetch-model qwen2.5-coder-0.5b-instruct smollm2-135m-instruct all-minilm-l6-v2
+
+# Our C++ CPU kernels (decode attention, QUANT=int4's), compiled once per machine into ~/.cache/simple-serve/kernels/
+# (about a minute here) so that no server start and no test pays for it; a no-op once built. Without a compiler
+# this prints why, and the server runs torch's versions (its start log says so again).
+kernels: $(VENV)/.installed
+	@$(PY) -c "from app.models import decode_attention as a, int4_decode as b; \
+		[print(f'kernels: {w}') for w in (a.extension()[1], b.extension()[1]) if w]"
 
 # Debian's chromium, which the playground's browser tests drive with Playwright (Playwright's own browser download
 # is not reachable here). apt runs only when chromium is missing.

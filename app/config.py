@@ -80,9 +80,10 @@ class Settings(BaseSettings):
                                  "torch's int4 kernel (bf16 activations), which is also what runs where ours "
                                  "cannot be built or the CPU has neither (the start log says why)")
     decode_attention: Literal["auto", "avx512", "avx2", "reference", "torch"] = Field("auto", description="the "
-                                 "CPU's attention for decode rows over a bf16 or 8-bit KV cache: auto: our kernel "
-                                 "(built with the C++ compiler at the first such load), its AVX-512 path where "
-                                 "the CPU has it, else AVX2; avx512, avx2, reference (plain C++, slow): that path; "
+                                 "CPU's attention for decode rows and speculative verify passes (outside the fp32 "
+                                 "oracle, which keeps SDPA): auto: our kernel (built with the C++ compiler by "
+                                 "`make setup`, else at the first load that needs it), its AVX-512 path where the "
+                                 "CPU has it, else AVX2; avx512, avx2, reference (plain C++, slow): that path; "
                                  "torch: torch's ops over an fp32 copy of the cache, which is also what runs where "
                                  "ours cannot be built (the start log says why)")
     batch_invariant: Literal["auto", "on", "off"] = Field("auto", description="on: a request's tokens and "

@@ -15,10 +15,10 @@ paths faster than aten's kernel at every shape tried, at 1 and 8 rows and in sin
 prefill runs on it too and no second layout is kept. Other CPU classes (AVX2-only, Zen 5, AMX Xeons) are
 unmeasured; INT4_KERNEL=aten keeps torch's kernel.
 
-The extension is compiled with torch's `cpp_extension` at the first int4 load on a machine (36-46 s with g++ 12
-here) into ~/.cache/simple-serve/kernels/, then loaded from there. Each path is compiled for its own
-instructions (target attributes), so one build serves every x86 CPU and the path is chosen at run time from what
-the CPU has (`cpu_features`, which honours ATEN_CPU_CAPABILITY). Where it cannot build (no compiler, no ninja)
+The extension is compiled with torch's `cpp_extension` by `make setup`, or at the first int4 load on a machine
+(36-46 s with g++ 12 here), into ~/.cache/simple-serve/kernels/, then loaded from there. Each path is compiled for
+its own instructions (target attributes), so one build serves every x86 CPU and the path is chosen at run time from
+what the CPU has (`cpu_features`, which honours ATEN_CPU_CAPABILITY). Where it cannot build (no compiler, no ninja)
 or the CPU has neither VNNI nor AVX2, int4 stays on aten's kernel and the start log says why.
 """
 
