@@ -70,7 +70,7 @@ def forward(model, work: Seq[tuple[object, int]], n_out: Seq[int] | None = None,
         inputs = packed_inputs(items, device)  # [1, T_total], each row at its own positions
         spans = inputs.pop("spans")
         starts = [start for _, start in items] if invariant else None  # a row feeds its prompt below its length
-        prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)] if invariant else None
+        prefill = [start < seq.prompt_len for (seq, _), (_, start) in zip(work, items)]
         inputs["cache"] = PackedCaches([seq.cache for seq, _ in work], spans, device, attention_windows(model),
                                        latent=latent_kv(model.config) is not None, starts=starts, prefill=prefill,
                                        views=model.config._attn_implementation == PACKED, groups=groups,

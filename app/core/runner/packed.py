@@ -115,11 +115,13 @@ class PackedCaches:
         self.calls = invariant_calls(spans, self.starts, list(prefill), self.groups) if starts is not None else None
         self.views = views and self.calls is None and not latent
         self.kernel = kernel if self.calls is None else None  # app/models/decode_attention.py's, on a CPU, or None
-        # The rows the kernel attends: each decode row, and each row of a short chunk (a speculative verify pass,
-        # whose SDPA call over a long cache cost more than the whole decode step) over the keys up to its own
-        # position. (position in the pass, request, keys hidden from it); `small`: those chunks' requests.
+        # The rows the kernel attends: each decode row, and each row of a short chunk past the prompt (a speculative
+        # verify pass, whose SDPA call over a long cache cost more than the whole decode step) over the keys up to
+        # its own position. (position in the pass, request, keys hidden from it); `small`: those chunks' requests.
+        # A prompt chunk stays on SDPA whatever its size: its size depends on what else the step prefills, and a
+        # token's attention must not.
         self.small = {i for i in self.chunks if spans[i][1] - spans[i][0] <= KERNEL_CHUNK and not self.groups[i]
-                      and not latent} if self.kernel is not None else set()
+                      and not latent and prefill is not None and not prefill[i]} if self.kernel is not None else set()
         self.kernel_rows = [(spans[i][0] + j, i, spans[i][1] - spans[i][0] - 1 - j) for i in sorted(
             set(self.decoding) | self.small) for j in range(spans[i][1] - spans[i][0])] if self.kernel else []
         self.kernel_positions = torch.tensor([row[0] for row in self.kernel_rows], dtype=torch.long, device=device)
