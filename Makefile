@@ -107,9 +107,10 @@ AVX2_TESTS := tests/fast/test_loading.py tests/fast/test_prepack.py tests/fast/t
 # test_invariant_linears.py: whether a kernel computes a row the same way at any row count is the kernel's own
 # (oneDNN, MKL and fbgemm pick theirs by CPUID), so BATCH_INVARIANT's check and its answers are held on both classes
 # (~60 s of this pass, emulated on a busy Zen 2; 5 s natively).
+# test_group8.py: a GGUF's 8-bit groups, where auto picks the AVX2 path and no VNNI one can run beside it.
 AVX2_KERNEL_TESTS := tests/fast/test_quant.py tests/fast/test_constraints.py tests/fast/test_speculative.py \
 	tests/fast/test_prefix_cache.py tests/fast/test_batch_rows.py tests/fast/test_invariant_linears.py \
-	tests/fast/test_decode_attention_kernel.py
+	tests/fast/test_decode_attention_kernel.py tests/fast/test_group8.py
 # One emulated process for both lists (conftest.py keeps real-model tests to AVX2_TESTS and fails the run unless torch
 # sees an AVX2-only CPU), without the pytest plugins these files do not use: each costs seconds to load emulated.
 AVX2_PYTEST_FLAGS := -p no:cacheprovider -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest -p no:anyio

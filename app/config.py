@@ -58,8 +58,8 @@ class Settings(BaseSettings):
                                  "without it (false, or too little RAM) they take a slower way the start checks "
                                  "(on an AVX2 EPYC: MKL in tiles of 8 rows, ~2.6x at one row)")
     quant: Literal["auto", "none", "int8", "int4"] = Field("auto", description="auto: a .gguf file keeps each "
-                                                   "tensor's own bits (its 4-bit blocks as int4, 5- to 8-bit ones "
-                                                   "as int8, never fewer bits than the file's), anything else none; "
+                                                   "tensor's own codes (its 4-bit blocks as int4, 5- to 8-bit ones "
+                                                   "as 8-bit groups, none rounded again), anything else none; "
                                                    "none: unquantized; int8: every linear reads int8 weights "
                                                    "(faster, not exact; quality measured by `bench quality`); int4: "
                                                    "the decoder's linears read 4 bits in groups of 32, the lm_head "

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -106,6 +107,8 @@ def run(args: argparse.Namespace) -> dict:
               "llama_cpp": {"perplexity": float(found["f16"][1]), "plus_minus": float(found["f16"][2]),
                             "perplexity_kv_q8_0": float(found["q8_0"][1])},
               "ours": {"quant": settings.quant, "lm_head": type(lm.model.lm_head).__name__,
+                       "linears": dict(Counter(type(m).__name__ for m in lm.model.modules()
+                                               if hasattr(m, "in_features") and hasattr(m, "out_features"))),
                        "weight_bytes": lm.weight_bytes, "dtype": str(lm.dtype),
                        "perplexity": ours["auto"], "perplexity_kv_int8": ours["int8"], "kv_int8_key_group": KEY_GROUP}}
     report["ours"]["vs_llama_cpp"] = ours["auto"] / report["llama_cpp"]["perplexity"] - 1

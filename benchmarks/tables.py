@@ -140,21 +140,27 @@ def quality_table(runs: list[tuple[str, dict]]) -> str:
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 
+LINEAR_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")  # weight_bytes' keys for the linears (not the table)
+
+
 def perplexity_table(runs: list[tuple[str, dict]]) -> str:
     """`bench perplexity`: a GGUF as we serve it against llama-perplexity, on the same tokens, scored alike."""
     heads = {"DynamicInt8Linear": "dynamic int8", "WeightOnlyInt8Linear": "weight-only int8"}
     rows = [[Path(r["model"]).name, f"`QUANT={r['ours']['quant']}`" + (f", lm_head {heads[r['ours']['lm_head']]}"
-                                                                      if r["ours"].get("lm_head") in heads else ""),
+                                                                      if r["ours"].get("lm_head") in heads else "")
+             + (", 5- to 8-bit blocks in their own codes" if r["ours"].get("linears", {}).get("GroupInt8Linear")
+                else ""),
              f"{r['scored_tokens']:,}",
              f"{r['llama_cpp']['perplexity']:.4f} ± {r['llama_cpp']['plus_minus']:.4f}",
              f"{r['llama_cpp']['perplexity_kv_q8_0']:.4f} "
              f"({r['llama_cpp']['perplexity_kv_q8_0'] / r['llama_cpp']['perplexity'] - 1:+.2%})",
              f"{r['ours']['perplexity']:.4f} ({r['ours']['vs_llama_cpp']:+.2%})",
              f"{r['ours']['perplexity_kv_int8']:.4f} ({r['ours']['kv_int8_vs_cache']:+.2%}), keys in groups of "
-             f"{r['ours']['kv_int8_key_group']}"] for _, r in runs]
+             f"{r['ours']['kv_int8_key_group']}",
+             f"{sum(r['ours']['weight_bytes'].get(k, 0) for k in LINEAR_FORMATS) / 2**20:,.0f} MiB"] for _, r in runs]
     head = ["GGUF file", "ours loaded as", "tokens scored", "`llama-perplexity`", "its q8_0 cache (vs its f16)",
             "ours (vs llama.cpp)",
-            "ours, `KV_CACHE_DTYPE=int8` (vs its own cache)"]
+            "ours, `KV_CACHE_DTYPE=int8` (vs its own cache)", "ours' linears held"]
     return markdown(head, rows) + "\n\n" + provenance(runs)
 
 

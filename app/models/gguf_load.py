@@ -3,9 +3,10 @@ meta device, each linear quantized as it arrives; with QUANT=int4, a linear stor
 keeps its own codes (app/models/gguf_blocks.py) instead of being dequantized and rounded to 4 bits again.
 
 QUANT=auto, the default, is for a GGUF file the setting that keeps each tensor's own bits (`own_bits_only`): a linear
-in 4-bit blocks keeps its codes as int4; one in 5-, 6- or 8-bit blocks (most of a "Q4_K_M" file: Q5_0, Q6_K, Q8_0) or
-in floats is dequantized and rounded to int8 per output channel, the nearest of our formats at or above its own
-bits, never down to 4. The file's quality at its size is what the user chose; QUANT=int4 still rounds every
+in 4-bit blocks keeps its codes as int4; one in 5-, 6- or 8-bit blocks (most of a "Q4_K_M" file: Q5_0, Q6_K, Q8_0)
+keeps its codes too, as 8-bit groups (`GroupInt8Linear`, on the int4 kernel's extension); where that extension cannot
+run, and for a linear in floats, the weights are dequantized and rounded to int8 per output channel, never down
+to 4 bits. The file's quality at its size is what the user chose; QUANT=int4 still rounds every
 decoder linear to 4 bits, QUANT=none serves the dequantized floats.
 
 Every other tensor is dequantized by gguf's own numpy code, put back in the model's row order by transformers' own
@@ -26,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from app.models.gguf_blocks import OWN_BLOCK_TYPES, int4_from_blocks
+from app.models.gguf_blocks import GROUP8_TYPES, OWN_BLOCK_TYPES, group8_from_blocks, int4_from_blocks
 from app.models.quant import LinearQuantizer, finish_quantizing, quantize_table, tied_head
+from app.models.quant_group8 import GROUP8, GroupInt8Linear
 from app.models.quant_int4 import INT4_GROUP
 from app.models.meta_fill import (READ_CHUNK, NotStreamable, complete_linear, give_back_freed, init_buffers,
                                   match_names, places_of, put)
@@ -35,6 +37,7 @@ from app.models.meta_fill import (READ_CHUNK, NotStreamable, complete_linear, gi
 log = logging.getLogger("app.models.gguf_load")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+DEQUANTIZE_ROWS = 4096  # a 7B's widest row (18,944) in float32 with gguf's temporaries: a few hundred MB at most
 
 
 def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none", dtype: torch.dtype | None = None,
@@ -42,7 +45,7 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
     """`config`'s model with the weights of the GGUF file at `path`; with `quant`, each linear quantized as it
     arrives, a 4-bit block's linear from its own codes under QUANT=int4. Raises NotStreamable before reading any
     weight where the file's tensors do not match the model built from `config`."""
-    from gguf import GGUFReader, dequantize
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
                                                           get_gguf_hf_weights_map)
@@ -84,10 +87,16 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
             own_bits = (quantizer is not None and quantizer.int4 is not None and qtype in OWN_BLOCK_TYPES
                         and linear_weight(name) and module is not quantizer.head and module is not keep_whole
                         and module.in_features % INT4_GROUP == 0)
-            if own_bits:
+            eight_bits = (not own_bits and own_bits_only and quantizer is not None and qtype in GROUP8_TYPES
+                          and linear_weight(name) and quantizer.int4_kernel is not None and quantizer.int4_kernel.ours
+                          and module is not quantizer.head and module is not keep_whole
+                          and module.in_features % GROUP8 == 0)
+            if own_bits or eight_bits:
                 order_of_rows = _row_order(processor, entry.name, module.out_features)
                 parent, child = parents[id(module)]
-                setattr(parent, child, quantizer.int4(module, quantized=int4_from_blocks(raw, qtype, order_of_rows)))
+                setattr(parent, child, quantizer.int4(module, quantized=int4_from_blocks(raw, qtype, order_of_rows))
+                        if own_bits else GroupInt8Linear(module, *group8_from_blocks(raw, qtype, order_of_rows),
+                                                         kernel=quantizer.int4_kernel))
                 places.pop(name).clear()
                 kept[qtype.name] += 1
                 del module, raw
@@ -96,11 +105,8 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
             if qtype.name not in FLOAT_TYPES:
                 converted[(qtype.name, _why_converted(module, linear_weight(name), quantizer, qtype, keep_whole,
                                                       embedding, own_bits_only))] += 1
-            values = processor.process(weights=dequantize(raw, qtype), name=entry.name).weights
-            tensor = torch.from_numpy(np.ascontiguousarray(values).reshape(list(reversed(entry.shape.tolist()))))
-            del raw, values
-            if tensor.is_floating_point():
-                tensor = tensor.to(load_dtype)
+            tensor = _dequantized(raw, qtype, entry, processor, load_dtype)
+            del raw
             module = put(places.pop(name), tensor)
             if quantizer is not None and module is embedding:
                 quantize_table(model, quantizer)
@@ -117,7 +123,7 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
         raise NotStreamable(f"{len(meta)} tensors were not in the file ({meta[0]}, ...)")
     if quantizer is not None:
         finish_quantizing(model, quantizer)
-    log.info("GGUF %s: %d linear layers kept their own 4-bit blocks (%s); converted: %s", path.name,
+    log.info("GGUF %s: %d linear layers kept their own blocks' codes (%s); converted: %s", path.name,
              sum(kept.values()), _counts(kept) or "none",
              "; ".join(f"{count} {qtype}: {why}" for (qtype, why), count in sorted(converted.items())) or "none")
     return model
@@ -135,6 +141,24 @@ def _read(file, entry) -> np.ndarray:
         done += got
     rows = int(np.prod([int(d) for d in entry.shape[1:]], dtype=np.int64)) if len(entry.shape) > 1 else 1
     return data.reshape(rows, -1)
+
+
+def _dequantized(raw: np.ndarray, qtype, entry, processor, load_dtype: torch.dtype) -> torch.Tensor:
+    """A tensor's values in `load_dtype`, in the model's row order. A matrix is dequantized DEQUANTIZE_ROWS rows at
+    a time into its `load_dtype` tensor: gguf's dequantize of a whole table holds the float32 values and several
+    temporaries of that size (the embedded Qwen's 151,936 x 896 Q5_0 table: 0.5 GB of float32 alone, on a model
+    that keeps 0.1 GB of it), which made the load's peak about twice what stays."""
+    from gguf import dequantize
+
+    shape = list(reversed(entry.shape.tolist()))
+    if len(shape) != 2:  # norms and biases: small; the processor's own code, as transformers runs it
+        values = processor.process(weights=dequantize(raw, qtype), name=entry.name).weights
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(load_dtype)
+    tensor = torch.empty(shape, dtype=load_dtype)
+    for start in range(0, shape[0], DEQUANTIZE_ROWS):
+        tensor[start:start + DEQUANTIZE_ROWS] = torch.from_numpy(dequantize(raw[start:start + DEQUANTIZE_ROWS], qtype))
+    order = _row_order(processor, entry.name, shape[0])
+    return tensor if order is None else tensor[torch.from_numpy(order)]
 
 
 def _row_order(processor, gguf_name: str, rows: int) -> np.ndarray | None:
@@ -158,8 +182,13 @@ def _why_converted(module: nn.Module, is_linear_weight: bool, quantizer: LinearQ
         return "QUANT=int8: dequantized, then int8"
     if qtype in OWN_BLOCK_TYPES:
         return f"input width not a multiple of {INT4_GROUP}: dequantized, then int8"
+    if own_bits_only and qtype not in GROUP8_TYPES:
+        return "no 8-bit groups map its blocks: dequantized, then int8 per output channel (never down to 4 bits)"
+    if own_bits_only and not quantizer.int4_kernel.ours:  # QUANT=int4 from here on: its kernel was chosen
+        return (f"8-bit groups need our int4 kernel, which cannot run here ({quantizer.int4_kernel.why}): "
+                "dequantized, then int8 per output channel")
     if own_bits_only:
-        return "more than 4 bits: dequantized, then int8 per output channel (QUANT=auto never rounds down to 4)"
+        return f"input width not a multiple of {GROUP8}: dequantized, then int8 per output channel"
     return "no 4-bit groups map its blocks yet: dequantized, then rounded to int4 groups"
 
 

@@ -138,6 +138,28 @@ void tile_reference(const uint8_t* w, const Activations& a, int64_t m0, int64_t 
   }
 }
 
+// A pass's accumulators into the output rows: AVX2's 8-row half h of tile t, AVX-512's whole tile.
+template <int ROWS, typename T>
+__attribute__((target("avx2,fma,f16c"))) void store_half(const __m256* acc, T* out, int64_t m0, int64_t n, int64_t t,
+                                                         int h) {
+  for (int i = 0; i < ROWS; ++i) {
+    alignas(32) float row[8];
+    _mm256_store_ps(row, acc[i]);
+    const int64_t first = t * TILE + 8 * h;
+    if (first < n) store_row(out + (m0 + i) * n + first, row, std::min<int64_t>(8, n - first));
+  }
+}
+
+template <int ROWS, typename T>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma"))) void store_tile(
+    const __m512* acc, T* out, int64_t m0, int64_t n, int64_t t) {
+  for (int i = 0; i < ROWS; ++i) {
+    alignas(64) float row[TILE];
+    _mm512_store_ps(row, acc[i]);
+    store_row(out + (m0 + i) * n + t * TILE, row, std::min<int64_t>(TILE, n - t * TILE));
+  }
+}
+
 // AVX2: each 8-row half of the tile in turn; a row's 8 chunks summed in int16 (at most 8 x 2 x 15 x 127 = 30,480).
 template <int ROWS, typename T>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const Activations& a, int64_t m0,
@@ -172,12 +194,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const 
         acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[at]), acc[i]);
       }
     }
-    for (int i = 0; i < ROWS; ++i) {
-      alignas(32) float row[8];
-      _mm256_store_ps(row, acc[i]);
-      const int64_t first = t * TILE + 8 * h;
-      if (first < n) store_row(out + (m0 + i) * n + first, row, std::min<int64_t>(8, n - first));
-    }
+    store_half<ROWS>(acc, out, m0, n, t, h);
   }
 }
 
@@ -213,11 +230,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma"))
       acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.scaled_sum[at]), acc[i]);
     }
   }
-  for (int i = 0; i < ROWS; ++i) {
-    alignas(64) float row[TILE];
-    _mm512_store_ps(row, acc[i]);
-    store_row(out + (m0 + i) * n + t * TILE, row, std::min<int64_t>(TILE, n - t * TILE));
-  }
+  store_tile<ROWS>(acc, out, m0, n, t);
 }
 
 enum Path { REFERENCE = 0, AVX2 = 1, VNNI = 2 };
@@ -264,57 +277,98 @@ void multiply(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
   });
 }
 
+#include "int8_groups.h"
+
 }  // namespace
 
-// codes [N, K] (0..15, any integer dtype), scale and minimum [N, K / 32] fp16 -> the layout above, uint8.
-torch::Tensor pack(torch::Tensor codes, torch::Tensor scale, torch::Tensor minimum) {
-  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % GROUP == 0, "codes must be [N, K] with K a multiple of 32");
-  const int64_t n = codes.size(0), k = codes.size(1), groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf, "scales must be fp16");
-  TORCH_CHECK(scale.sizes() == minimum.sizes() && scale.size(0) == n && scale.size(1) == groups, "scale shape");
-  auto c = codes.to(at::kByte).contiguous();
-  auto s = scale.contiguous(), mn = minimum.contiguous();
-  auto out = torch::zeros({tiles * groups * BLOCK}, torch::dtype(torch::kUInt8));
-  const uint8_t* cp = c.data_ptr<uint8_t>();
-  const at::Half *sp = s.data_ptr<at::Half>(), *mp = mn.data_ptr<at::Half>();
+// A zeroed buffer of `block` bytes per tile of 16 rows and group of 32 inputs, each (row, group) written by `fill`.
+template <typename Fill>
+torch::Tensor pack_blocks(int64_t n, int64_t groups, int64_t block, Fill&& fill) {
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  auto out = torch::zeros({tiles * groups * block}, torch::dtype(torch::kUInt8));
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int r = 0; r < TILE && t * TILE + r < n; ++r) {
-        const int64_t row = t * TILE + r;
-        for (int64_t g = 0; g < groups; ++g) {
-          uint8_t* blk = o + (t * groups + g) * BLOCK;
-          for (int col = 0; col < GROUP; ++col) {
-            const uint8_t v = cp[row * k + g * GROUP + col] & 15;
-            blk[code_byte(r, col)] |= code_high(col) ? static_cast<uint8_t>(v << 4) : v;
-          }
-          std::memcpy(blk + SCALES + 2 * r, sp + row * groups + g, 2);
-          std::memcpy(blk + MINIMUMS + 2 * r, mp + row * groups + g, 2);
-        }
-      }
+      for (int r = 0; r < TILE && t * TILE + r < n; ++r)
+        for (int64_t g = 0; g < groups; ++g) fill(o + (t * groups + g) * block, t * TILE + r, r, g);
   });
   return out;
 }
 
-// x [M, K] fp32 or bf16 -> [M, N] in x's dtype, on path 0 (reference), 1 (AVX2) or 2 (AVX512-VNNI).
-torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t path) {
+// codes [N, K] (0..15, any integer dtype), scale and minimum [N, K / 32] fp16 -> the layout above, uint8.
+torch::Tensor pack(torch::Tensor codes, torch::Tensor scale, torch::Tensor minimum) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % GROUP == 0, "codes must be [N, K] with K a multiple of 32");
+  const int64_t n = codes.size(0), k = codes.size(1), groups = k / GROUP;
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf, "scales must be fp16");
+  TORCH_CHECK(scale.sizes() == minimum.sizes() && scale.size(0) == n && scale.size(1) == groups, "scale shape");
+  auto c = codes.to(at::kByte).contiguous();
+  auto s = scale.contiguous(), mn = minimum.contiguous();
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *mp = mn.data_ptr<at::Half>();
+  return pack_blocks(n, groups, BLOCK, [&](uint8_t* blk, int64_t row, int r, int64_t g) {
+    for (int col = 0; col < GROUP; ++col) {
+      const uint8_t v = cp[row * k + g * GROUP + col] & 15;
+      blk[code_byte(r, col)] |= code_high(col) ? static_cast<uint8_t>(v << 4) : v;
+    }
+    std::memcpy(blk + SCALES + 2 * r, sp + row * groups + g, 2);
+    std::memcpy(blk + MINIMUMS + 2 * r, mp + row * groups + g, 2);
+  });
+}
+
+// x [M, K] fp32 or bf16 -> [M, N] in x's dtype, over `pack`'s layout (`eight`: `pack8`'s), on path 0 (reference),
+// 1 (AVX2) or 2 (AVX512-VNNI).
+static torch::Tensor run(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t path, bool eight) {
   TORCH_CHECK(path_supported(path), "this CPU cannot run int4 decode path ", path);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % GROUP == 0, "x must be [M, K] with K a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be contiguous uint8");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(packed.numel() == tiles * (k / GROUP) * BLOCK, "packed weights do not match K and N");
+  TORCH_CHECK(packed.numel() == tiles * (k / GROUP) * (eight ? BLOCK8 : BLOCK), "packed weights do not match K and N");
   auto out = torch::empty({m, n}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    multiply(x.data_ptr<float>(), packed.data_ptr<uint8_t>(), out.data_ptr<float>(), m, n, k, path);
-  else if (x.scalar_type() == at::kBFloat16)
-    multiply(x.data_ptr<at::BFloat16>(), packed.data_ptr<uint8_t>(), out.data_ptr<at::BFloat16>(), m, n, k, path);
-  else
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kFloat) {
+    auto fn = eight ? multiply8<float> : multiply<float>;
+    fn(x.data_ptr<float>(), w, out.data_ptr<float>(), m, n, k, path);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    auto fn = eight ? multiply8<at::BFloat16> : multiply<at::BFloat16>;
+    fn(x.data_ptr<at::BFloat16>(), w, out.data_ptr<at::BFloat16>(), m, n, k, path);
+  } else {
     TORCH_CHECK(false, "x must be fp32 or bf16");
+  }
   return out;
 }
 
+torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t path) {
+  return run(x, packed, n, path, false);
+}
+
+// codes [N, K] int8, scale [N, K / 16] and minimum [N, K / 32] fp16 -> int8_groups.h's layout, uint8.
+torch::Tensor pack8(torch::Tensor codes, torch::Tensor scale, torch::Tensor minimum) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % GROUP == 0 && codes.scalar_type() == at::kChar,
+              "codes must be int8 [N, K] with K a multiple of 32");
+  const int64_t n = codes.size(0), k = codes.size(1), groups = k / GROUP;
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf, "scales must be fp16");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == 2 * groups, "scale must be [N, K / 16]");
+  TORCH_CHECK(minimum.dim() == 2 && minimum.size(0) == n && minimum.size(1) == groups, "minimum must be [N, K / 32]");
+  auto c = codes.contiguous();
+  auto s = scale.contiguous(), mn = minimum.contiguous();
+  const int8_t* cp = c.data_ptr<int8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *mp = mn.data_ptr<at::Half>();
+  return pack_blocks(n, groups, BLOCK8, [&](uint8_t* blk, int64_t row, int r, int64_t g) {
+    for (int col = 0; col < GROUP; ++col)
+      blk[code_byte8(r, col)] = static_cast<uint8_t>(cp[row * k + g * GROUP + col] + 128);
+    for (int h = 0; h < 2; ++h) std::memcpy(blk + SCALES8 + 32 * h + 2 * r, sp + row * 2 * groups + 2 * g + h, 2);
+    std::memcpy(blk + MINIMUMS8 + 2 * r, mp + row * groups + g, 2);
+  });
+}
+
+torch::Tensor matmul8(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t path) {
+  return run(x, packed, n, path, true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack8", &pack8, "8-bit codes, fp16 half-group scales and group minimums -> int8_groups.h's layout");
+  m.def("matmul8", &matmul8, "x [M, K] @ W^T over 8-bit codes with int8 activations");
   m.def("pack", &pack, "4-bit codes, fp16 scales and minimums -> the decode kernel's layout");
   m.def("matmul", &matmul, "x [M, K] @ W^T with int8 activations");
   m.def("supported", &path_supported, "whether this CPU runs a path (0 reference, 1 AVX2, 2 AVX512-VNNI)");

@@ -40,11 +40,12 @@ log = logging.getLogger("app.models.int4_decode")
 INT4_KERNELS = ("auto", "vnni", "avx2", "reference", "aten")
 PATHS = {"reference": 0, "avx2": 1, "vnni": 2}  # int4_decode.cpp's path numbers
 SOURCE = Path(__file__).with_name("int4_decode.cpp")
+INCLUDES = (Path(__file__).with_name("int8_groups.h"),)  # a GGUF's 5- to 8-bit blocks on the same arithmetic
 
 
 def extension() -> tuple[Any, str | None]:
     """The compiled int4_decode.cpp, or None and why not."""
-    return build("simple_serve_int4_decode", SOURCE)
+    return build("simple_serve_int4_decode", SOURCE, INCLUDES)
 
 
 class Int4Kernel(CpuKernel):
@@ -59,6 +60,14 @@ class Int4Kernel(CpuKernel):
     def matmul(self, rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """rows [M, in], fp32 or bf16 -> [M, out] in their dtype."""
         return self.module.matmul(rows, packed, out_features, PATHS[self.name])
+
+    def pack8(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        """codes int8 [out, in], scale fp16 [out, in / 16], minimum fp16 [out, in / 32] -> int8_groups.h's layout."""
+        return self.module.pack8(codes, scale, minimum)
+
+    def matmul8(self, rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """rows [M, in], fp32 or bf16 -> [M, out] in their dtype, over `pack8`'s weights."""
+        return self.module.matmul8(rows, packed, out_features, PATHS[self.name])
 
 
 def fp16_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ from app.models.batch_rows import BatchRowsLinear
 from app.models.cpu import cpu_features
 from app.models.prepack import PackedLinear
 from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+from app.models.quant_group8 import GroupInt8Linear
 from app.models.quant_int4 import Int4Linear
 from app.models.row_check import (CHECK_ROWS, SPLIT_NAMES, SPLITS, RowSplitLinear, choose_split,
                                   rows_to_check)
@@ -52,7 +53,8 @@ from app.models.row_check import (CHECK_ROWS, SPLIT_NAMES, SPLITS, RowSplitLinea
 log = logging.getLogger("app.models.invariance")
 
 INVARIANT_MODES = ("auto", "on", "off")
-LINEAR_KINDS = (nn.Linear, BatchRowsLinear, PackedLinear, DynamicInt8Linear, WeightOnlyInt8Linear, Int4Linear)
+LINEAR_KINDS = (nn.Linear, BatchRowsLinear, PackedLinear, DynamicInt8Linear, WeightOnlyInt8Linear, Int4Linear,
+                GroupInt8Linear)
 
 
 def resolve_batch_invariant(mode: str, device: torch.device, dtype: torch.dtype = torch.float32, quant: str = "none",
@@ -117,6 +119,8 @@ def kernel_name(layer: nn.Module) -> str:
         return f"dynamic int8 with an anchor row ({layer.engine})"
     if isinstance(layer, WeightOnlyInt8Linear):
         return "weight-only int8"
+    if isinstance(layer, GroupInt8Linear):
+        return "a GGUF's 8-bit groups"
     if isinstance(layer, Int4Linear):
         return "int4" + (" (its bf16 copy too)" if layer.wide is not None else "")
     return f"F.linear {str(layer.weight.dtype).removeprefix('torch.')}"

@@ -48,6 +48,7 @@ from app.models.cpu import cpu_features, int8_engine
 from app.models.linears import plain_linears
 from app.models.quant_embedding import Int8Embedding, per_row_int8
 from app.models.int4_decode import Int4Kernel, choose_int4_kernel
+from app.models.quant_group8 import GroupInt8Linear
 from app.models.quant_int4 import INT4_GROUP, Int4Linear, int4_kernel_missing
 
 log = logging.getLogger("app.models.quant")
@@ -279,15 +280,16 @@ def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
     kernel, dtype = quantizer.kernel, quantizer.dtype
     tied = quantizer.tied if quantizer.tied is not None else quantize_table(model, quantizer)
     _swap_linears(model, quantizer.leftover, lambda linear: True)  # an untied head whose weight was not swapped yet
-    four_bits = sum(isinstance(m, Int4Linear) for m in model.modules())
+    four_bits, eight = (sum(isinstance(m, kind) for m in model.modules()) for kind in (Int4Linear, GroupInt8Linear))
     count = sum(isinstance(m, (DynamicInt8Linear, WeightOnlyInt8Linear)) for m in model.modules())
     if quantizer.int4 is not None:
-        log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (%s; %s); the lm_head and any "
+        log.info("quant=int4: %d linear layers read 4-bit weights in groups of %d (%s; %s)%s; the lm_head and any "
                  "other layer read int8%s", four_bits, INT4_GROUP, _int4_kernel_note(quantizer.int4_kernel),
                  _wide_copy_note(model, quantizer.wide_copy, quantizer.bf16, quantizer.batch_invariant),
+                 f"; {eight} a GGUF's own 5- to 8-bit codes, in 8-bit groups on the same kernel" if eight else "",
                  f" (the lm_head on {model.lm_head.engine}'s dynamic kernel)"
                  if isinstance(getattr(model, "lm_head", None), DynamicInt8Linear) else "")
-    if count or not four_bits:
+    if count or not (four_bits or eight):
         log.info("quant=int8: %d linear layers now read int8 weights (%s kernel: %s)%s%s", count, kernel,
                  quantizer.why, "; the tied lm_head's int8 rows are the input embedding's, held once" if tied else "",
                  ", on the weight-only kernel in bf16 (native here)" if tied and kernel == "dynamic" else "")
@@ -339,7 +341,7 @@ def quantize_embedding(model: nn.Module, dtype: torch.dtype | None = None) -> No
         model.set_input_embeddings(Int8Embedding(embedding, dtype or embedding.weight.dtype))
 
 
-_QUANTIZED = (Int4Linear, WeightOnlyInt8Linear, DynamicInt8Linear, Int8Embedding)
+_QUANTIZED = (Int4Linear, GroupInt8Linear, WeightOnlyInt8Linear, DynamicInt8Linear, Int8Embedding)
 
 
 @torch.no_grad()

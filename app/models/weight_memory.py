@@ -17,6 +17,7 @@ from torch import nn
 from app.models.batch_rows import BatchRowsLinear
 from app.models.prepack import PackedLinear
 from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+from app.models.quant_group8 import GroupInt8Linear
 from app.models.quant_int4 import Int4Linear
 from app.models.quant_embedding import Int8Embedding
 
@@ -49,6 +50,8 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         if isinstance(module, Int4Linear):
             out["int4"] += module.weight_bytes
             out["copies"] += module.copy_bytes
+        elif isinstance(module, GroupInt8Linear):
+            out["int8"] += module.weight_bytes
         elif isinstance(module, DynamicInt8Linear):
             out["int8"] += module.weight_bytes
             out["copies"] += module.copy_bytes

@@ -153,7 +153,7 @@ def test_a_gguf_streams_its_4_bit_linears_from_their_own_blocks_and_says_which_w
     with caplog.at_level(logging.INFO, logger="app.models.gguf_load"):
         served = stream_gguf(path, model.config, torch.float32, "int4", torch.float32)
     line = next(r.getMessage() for r in caplog.records if r.name == "app.models.gguf_load")
-    assert "kept their own 4-bit blocks (4 Q4_0, 8 Q4_1)" in line, line
+    assert "kept their own blocks' codes (4 Q4_0, 8 Q4_1)" in line, line
     assert "2 Q8_0: no 4-bit groups map its blocks yet" in line and "1 Q4_0: the lm_head reads int8" in line, line
     reference = reference_weights(path, model)
     for name, module in served.named_modules():
@@ -198,9 +198,9 @@ def test_smollm2s_gguf_served_from_its_own_q4_1_blocks_picks_its_dequantized_mod
 
 @needs_int4
 def test_quant_auto_keeps_each_tensors_own_bits_and_never_rounds_a_wider_block_down_to_4(tmp_path, caplog):
-    """QUANT=auto, the default, on a GGUF: 4-bit blocks kept as int4, 8-bit ones int8 (not rounded to 4 bits as
-    QUANT=int4 does), and the start log says which and why."""
-    from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear
+    """QUANT=auto, the default, on a GGUF: 4-bit blocks kept as int4, 8-bit ones in their own 8-bit groups (not
+    rounded to 4 bits as QUANT=int4 does), and the start log says which and why."""
+    from app.models.quant_group8 import GroupInt8Linear
 
     model = build_tiny_model(400, arch="llama")
     path = tmp_path / "tiny.gguf"
@@ -212,10 +212,10 @@ def test_quant_auto_keeps_each_tensors_own_bits_and_never_rounds_a_wider_block_d
         if name.endswith(("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")):
             assert isinstance(module, Int4Linear), name
         if name.endswith(("v_proj", "down_proj")):  # Q8_0: eight bits stay eight
-            assert isinstance(module, (DynamicInt8Linear, WeightOnlyInt8Linear)), name
+            assert isinstance(module, GroupInt8Linear), name
     line = next(r.getMessage() for r in caplog.records if r.name == "app.models.gguf_load")
-    assert "kept their own 4-bit blocks (4 Q4_0, 6 Q4_1)" in line, line
-    assert "4 Q8_0: more than 4 bits: dequantized, then int8 per output channel" in line, line
+    assert "kept their own blocks' codes (4 Q4_0, 6 Q4_1, 4 Q8_0)" in line, line
+    assert "1 Q4_0: the lm_head reads int8" in line, line
 
 
 def test_quant_auto_means_own_bits_for_a_gguf_on_a_cpu_and_none_for_anything_else():
@@ -237,3 +237,21 @@ def test_quant_auto_leaves_a_model_directory_unquantized(tiny_dir):
     served = load_model(str(tiny_dir), device="cpu", dtype="float32", quant="auto")
     assert served.weight_bytes.get("int4", 0) == 0 and served.weight_bytes.get("int8", 0) == 0
     assert all(type(m) is nn.Linear for m in served.model.modules() if isinstance(m, nn.Linear))
+
+
+def test_dequantized_tensors_come_in_row_slices_and_equal_transformers_own(tmp_path, monkeypatch):
+    """QUANT=none: every tensor as transformers' GGUF loader gives it, q and k rows put back included, whatever
+    slices of rows the loader dequantizes at a time (here 5: no slice boundary falls on a head or a block row)."""
+    from app.models import gguf_load
+
+    monkeypatch.setattr(gguf_load, "DEQUANTIZE_ROWS", 5)
+    model = build_tiny_model(400, arch="llama")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, {"attn_q": T.Q5_0, "attn_k": T.Q8_0, "attn_v": T.Q4_1, "attn_output": T.Q5_1,
+                                  "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.Q5_0, "output": T.Q8_0,
+                                  "token_embd": T.Q5_0})
+    served = stream_gguf(path, model.config, torch.float32)
+    reference = reference_weights(path, model)
+    state = served.state_dict()
+    for name, values in reference.items():
+        assert torch.equal(state[name], values.reshape(state[name].shape)), name

@@ -156,5 +156,6 @@ def test_where_the_kernel_cannot_build_int4_runs_on_aten_and_says_why(monkeypatc
 
 def test_the_kernel_source_ships_in_the_wheel():
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["app"]
-    source = int4_decode.SOURCE.relative_to(REPO / "app").as_posix()
-    assert any(fnmatch(source, pattern) for pattern in patterns), source
+    for path in (int4_decode.SOURCE, *int4_decode.INCLUDES):
+        source = path.relative_to(REPO / "app").as_posix()
+        assert any(fnmatch(source, pattern) for pattern in patterns), source
