@@ -200,10 +200,10 @@ def gguf_file(model_dir: Path, quant: str, peer: dict) -> Path | None:
         return None
     target, full = model_dir / f"model-{quant}.gguf", model_dir / "model-bf16.gguf"
     env = {**os.environ, "PYTHONPATH": f"{peer['gguf_py']}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if not full.is_file():
-        subprocess.run([sys.executable, str(peer["convert"]), str(model_dir), "--outfile", str(full), "--outtype",
-                        "bf16"], check=True, env=env)
     if not target.is_file():
+        if not full.is_file():
+            subprocess.run([sys.executable, str(peer["convert"]), str(model_dir), "--outfile", str(full),
+                            "--outtype", "bf16"], check=True, env=env)
         subprocess.run([str(peer["quantize"]), str(full), str(target), quant], check=True)
     return target
 

@@ -30,6 +30,7 @@ from app.models.cross_encoder import CrossEncoderModel, load_cross_encoder
 from app.models.pooling import PoolingModel, is_cross_encoder_dir, is_pooling_dir, load_pooling_model
 from app.models.prepack import (PrepackFailed, choice_key, load_choice, measure_packing, prepack_linears,
                                 save_choice)
+from app.models.fuse import join_projections
 from app.models.invariance import cannot_hold, make_linears_invariant, resolve_batch_invariant, invariant_splits
 from app.models.quant import dynamic_int8_supported, keep_own_copies
 from app.models.streamed_load import load_weights, locate, resolve_quant
@@ -217,6 +218,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: str = "auto",
         prepack_state = f"off: tensor parallel over {tensor_parallel} ranks"
     elif quant != "none":  # quantized as it loaded: every linear, lm_head included, none to prepack
         prepack_state = f"off: QUANT={quant} replaced every linear layer"
+        if decode_step == "eager" and (joined := join_projections(model)):
+            log.info("q/k/v and gate/up on our kernels: %d groups each read in one call (app/models/fuse.py)", joined)
     else:
         prepack_state = _prepack(model, prepack, torch_device, torch_dtype, Path(cache_dir) / PREPACK_CHOICES,
                                  choice_key(name_or_path, torch_dtype), invariant)

@@ -20,6 +20,7 @@ from app.config import Settings
 from app.core.generate import generate
 from app.core.sampling import SamplingParams
 from app.models.cpu import int8_engine
+from app.models.fuse import join_projections, projection_layers
 from app.models.int4_decode import choose_int4_kernel
 from app.models.loading import load_model, quant_auto_dtype
 from app.models.prepack import decode_bytes_per_step
@@ -397,7 +398,7 @@ def test_load_model_with_quant_int4(tmp_path, tiny_tokenizer, monkeypatch):
     build_tiny_model(len(tiny_tokenizer)).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), "cpu", "auto", quant="int4")
-    assert [type(m) for m in lm.model.modules()].count(Int4Linear) == LINEARS_IN_TINY - 1
+    assert [type(m) for m in projection_layers(lm.model)].count(Int4Linear) == LINEARS_IN_TINY - 1
     monkeypatch.setenv("QUANT", "int4")
     assert Settings().quant == "int4" and Settings().int4_wide_copy is False  # the bf16 copy: opt-in
     monkeypatch.setenv("INT4_WIDE_COPY", "true")
@@ -420,6 +421,7 @@ def test_a_bf16_checkpoint_loads_in_bf16_and_serves_the_same_model_as_an_fp32_lo
     assert f"loading in bfloat16, the checkpoint's dtype: QUANT={quant}" in caplog.text
     want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     quantize_linears(want, quant, dtype=torch.float32)
+    join_projections(want)  # as the load does (app/models/fuse.py): the same layers, joined alike
     assert lm.model.dtype == torch.float32
     got_state, want_state = lm.model.state_dict(), want.state_dict()
     assert got_state.keys() == want_state.keys()
