@@ -118,10 +118,11 @@ class DynamicInt8Linear(nn.Module):
     same, bit for bit, at any row count. The anchor's output row is dropped.
     """
 
-    def __init__(self, linear: nn.Linear, engine: str | None = None, anchored: bool = False):
+    def __init__(self, linear: nn.Linear, engine: str | None = None, anchored: bool = False,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):  # per_row_int8's, made already
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scales = per_row_int8(linear.weight)
+        weight, scales = quantized if quantized is not None else per_row_int8(linear.weight)
         with warnings.catch_warnings():  # torch flags quantized tensors as deprecated; the kernel has no other input
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(),
@@ -175,15 +176,15 @@ def _quantized_engine(engine: str) -> Iterator[None]:
         torch.backends.quantized.engine = before
 
 
-def _dynamic_linear(linear: nn.Linear, engine: str, anchored: bool = False) -> DynamicInt8Linear:
+def _dynamic_linear(linear: nn.Linear, engine: str, anchored: bool = False, quantized=None) -> DynamicInt8Linear:
     try:
-        return DynamicInt8Linear(linear, engine, anchored)
+        return DynamicInt8Linear(linear, engine, anchored, quantized)
     except RuntimeError as err:  # oneDNN refused this weight: fbgemm has kernels wherever AVX2 is
         fallback = next((e for e in ("x86", "fbgemm") if e in torch.backends.quantized.supported_engines), None)
         if engine == "onednn" and fallback:
             log.warning("quant=int8: oneDNN could not pack a %d x %d weight (%s); it runs on %s",
                         linear.out_features, linear.in_features, err, fallback)
-            return DynamicInt8Linear(linear, fallback, anchored)
+            return DynamicInt8Linear(linear, fallback, anchored, quantized)
         raise
 
 
@@ -300,13 +301,15 @@ def finish_quantizing(model: nn.Module, quantizer: LinearQuantizer) -> str:
 def quantize_table(model: nn.Module, quantizer: LinearQuantizer) -> int:
     """The input embedding table as int8 rows, shared with a tied lm_head where it can be (`_quantize_tied_head`);
     returns 1 where it is shared. A streamed load calls it as soon as the table has arrived."""
-    head = tied_head(model)
-    if head is not None and quantizer.head_int8:  # packed from the shared weight before the table becomes int8 rows
-        model.lm_head, quantizer.tied = quantizer.head_int8(head), 0
-    else:
+    head, embed = tied_head(model), model.get_input_embeddings()
+    if head is not None and quantizer.head_int8:  # the table's int8 rows, packed again for the head
+        codes, scales = per_row_int8(head.weight)
+        model.set_input_embeddings(Int8Embedding(embed, quantizer.dtype, codes, scales))
+        head.weight = embed.weight = None  # the float table goes before the packing, not after: a lower load peak
+        model.lm_head, quantizer.tied, quantizer.head = quantizer.head_int8(head, quantized=(codes, scales)), 0, None
+    else:  # the float head swapped out (tied): not kept as the quantizer's head
         quantizer.tied = _quantize_tied_head(model, quantizer.kernel, quantizer.dtype)
-    if quantizer.tied or (head is not None and quantizer.head_int8):  # the float head swapped out: not kept here
-        quantizer.head = None
+        quantizer.head = None if quantizer.tied else quantizer.head
     quantize_embedding(model, quantizer.dtype)
     return quantizer.tied
 

@@ -164,13 +164,15 @@ def stream_model(directory: Path, config, load_dtype: torch.dtype, quant: str = 
                         tensor = tensor.to(load_dtype)
                     module = put(places.pop(name), tensor)
                     if quantizer is not None and module is embedding:  # int8 rows now, a tied head's too
+                        del tensor  # held by the table alone, which quantize_table may free early
                         quantize_table(model, quantizer)
                         embedding = keep_whole = None  # the float table: freed now
                     elif quantizer is not None and complete_linear(module) and module is not keep_whole:
                         parent, attr = parents[id(module)]
                         setattr(parent, attr, quantizer(module))
                         module.weight = None  # the source: freed now, not when the load ends
-                    del module, tensor
+                    del module
+                    tensor = None
                     give_back_freed()
     del parents, places, keep_whole, embedding  # the modules swapped out, and the float tables they held
     init_buffers(model)

@@ -454,6 +454,32 @@ def test_dtype_auto_with_quant_follows_the_cpu_class(cpu_class, int4_dtype):
 
 
 @INT4
+def test_a_tied_head_is_packed_from_the_tables_int8_rows_after_the_float_table_is_gone(tiny_tokenizer):
+    """QUANT=int4's head on the dynamic int8 kernel, tied to the table: the float table is freed before the head's
+    packed copy is made (the load's peak; the 0.5B's VmHWM went from 1,184 to 1,062 MiB here), and the table
+    gathers the same int8 rows the head was packed from."""
+    import weakref
+
+    from app.models.quant import LinearQuantizer, quantize_table, tied_head
+    from app.models.quant_embedding import per_row_int8
+
+    model = _tied_model(tiny_tokenizer)
+    plain = copy.deepcopy(model)
+    quantizer = LinearQuantizer(model, "int4")
+    assert tied_head(model) is not None
+    if not quantizer.head_int8:
+        pytest.skip("no dynamic int8 kernel on this CPU: the tied head takes the weight-only one, on the same rows")
+    table = weakref.ref(model.get_input_embeddings().weight)
+    alive_when_packed = []
+    packer = quantizer.head_int8
+    quantizer.head_int8 = lambda head, **kw: alive_when_packed.append(table() is not None) or packer(head, **kw)
+    quantize_table(model, quantizer)
+    assert alive_when_packed == [False]
+    codes, scales = per_row_int8(plain.get_input_embeddings().weight)
+    assert torch.equal(model.get_input_embeddings().codes, codes)
+
+
+@INT4
 def test_quant_int4_loads_in_this_cpus_dtype_with_its_head_on_the_fastest_int8_kernel(tiny_dir):
     """The lm_head on fbgemm's (or oneDNN's) dynamic int8 kernel wherever one runs, in bf16 too: the weight-only
     kernel took a third of a 0.5B int4 decode step on a Zen 4. Its logits come out in fp32, as the engine reads
