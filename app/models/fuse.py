@@ -11,8 +11,9 @@ The model's own forward is left as it is: `q_proj(x)`, `k_proj(x)`, `v_proj(x)` 
 `x`. The first computes the joined output; the others take their rows of it. A part is served once per joined
 call, so any other calling pattern (a part called twice, another input, an input changed in place) computes again
 and stays right; under `torch.inference_mode`, whose tensors keep no version counter, an input changed in place
-between two parts' calls is not seen (the models' forwards change none). The kernels' layouts are tiles of 16 output rows, so joining is concatenating the packed buffers
-(each part's rows a multiple of 16, else the layer is left alone): no repacking, no copy beside.
+between two parts' calls is not seen (the models' forwards change none). The kernels' layouts are tiles of 16
+output rows, so joining is concatenating the packed buffers (each part's rows a multiple of 16, else the layer is
+left alone): no repacking, no copy beside.
 """
 
 from __future__ import annotations

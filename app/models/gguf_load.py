@@ -84,13 +84,11 @@ def stream_gguf(path: Path, config, load_dtype: torch.dtype, quant: str = "none"
             entry, qtype = tensors[name], tensors[name].tensor_type
             raw = _read(file, entry)
             module, attr = places[name][0]
-            own_bits = (quantizer is not None and quantizer.int4 is not None and qtype in OWN_BLOCK_TYPES
-                        and linear_weight(name) and module is not quantizer.head and module is not keep_whole
-                        and module.in_features % INT4_GROUP == 0)
-            eight_bits = (not own_bits and own_bits_only and quantizer is not None and qtype in GROUP8_TYPES
-                          and linear_weight(name) and quantizer.int4_kernel is not None and quantizer.int4_kernel.ours
-                          and module is not quantizer.head and module is not keep_whole
-                          and module.in_features % GROUP8 == 0)
+            grouped = (quantizer is not None and linear_weight(name) and module is not quantizer.head  # a decoder
+                       and module is not keep_whole and module.in_features % INT4_GROUP == 0)  # linear, in groups
+            own_bits = grouped and quantizer.int4 is not None and qtype in OWN_BLOCK_TYPES
+            eight_bits = (grouped and own_bits_only and qtype in GROUP8_TYPES  # GROUP8 is INT4_GROUP
+                          and quantizer.int4_kernel is not None and quantizer.int4_kernel.ours)
             if own_bits or eight_bits:
                 order_of_rows = _row_order(processor, entry.name, module.out_features)
                 parent, child = parents[id(module)]

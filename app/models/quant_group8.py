@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from app.models.int4_decode import Int4Kernel
+from app.models.quant_int4 import INT4_GROUP
 
-GROUP8 = 32  # inputs per minimum; scales per 16
+GROUP8 = INT4_GROUP  # inputs per minimum (scales per 16): the activations' blocks of 32, as for 4-bit weights
 
 
 class GroupInt8Linear(nn.Module):
