@@ -31,20 +31,31 @@ from app.models.int4_decode import Int4Kernel, fp16_scales
 INT4_GROUP = 32  # a Q4_K sub-block's size; the retired `benchmarks kernels --group-sizes` (at deca0b0) measured others
 
 
-def int4_weight(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+QUANTIZE_ROWS = 512  # rows of a weight quantized at a time: each op's fp32 temporaries are this many rows, not all
+
+
+def int4_weight(weight: torch.Tensor, group: int, dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor | None]:
     """[out, in] float -> (4-bit codes as int32 [out, in], scales_and_zeros [in / group, out, 2], the dequantized
-    weight): per group of `group` input weights, the smallest maps to code 0 and the largest to 15, as a Q4_K
-    sub-block's scale and minimum do. The kernel computes (code - 8) x scale + zero."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    groups = w.reshape(out_f, in_f // group, group)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    codes = torch.round((groups - low) / scale).clamp(0, 15)
-    dequantized = (codes * scale + low).reshape(out_f, in_f)
-    zero = low + 8 * scale
-    scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
-    return codes.to(torch.int32).reshape(out_f, in_f), scales_and_zeros, dequantized
+    weight where asked for, else None): per group of `group` input weights, the smallest maps to code 0 and the
+    largest to 15, as a Q4_K sub-block's scale and minimum do. The kernel computes (code - 8) x scale + zero.
+    QUANTIZE_ROWS rows at a time (each row's groups are its own): whole, a 3B shape's 11,008 x 2,048 linear took
+    ~400 MB of fp32 temporaries at once, the load's peak above what it keeps."""
+    out_f, in_f = weight.shape
+    codes = torch.empty(out_f, in_f, dtype=torch.int32, device=weight.device)
+    scales_and_zeros = torch.empty(in_f // group, out_f, 2, dtype=torch.float32, device=weight.device)
+    dequantized = torch.empty(out_f, in_f, dtype=torch.float32, device=weight.device) if dequantize else None
+    for start in range(0, out_f, QUANTIZE_ROWS):
+        rows = slice(start, min(start + QUANTIZE_ROWS, out_f))
+        groups = weight[rows].detach().float().reshape(-1, in_f // group, group)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        chunk = torch.round((groups - low) / scale).clamp_(0, 15)
+        if dequantized is not None:
+            dequantized[rows] = (chunk * scale + low).reshape(-1, in_f)
+        codes[rows] = chunk.reshape(-1, in_f)
+        scales_and_zeros[:, rows] = torch.stack([scale.squeeze(-1).t(), (low + 8 * scale).squeeze(-1).t()], dim=-1)
+    return codes, scales_and_zeros, dequantized
 
 
 def int4_kernel_missing(device: torch.device) -> str | None:

@@ -26,7 +26,7 @@ from app.models.loading import load_model, quant_auto_dtype
 from app.models.prepack import decode_bytes_per_step
 from app.models.quant import DynamicInt8Linear, WeightOnlyInt8Linear, dynamic_int8_supported, quantize_linears
 from app.models.quant_embedding import Int8Embedding
-from app.models.quant_int4 import INT4_GROUP, Int4Linear, int4_kernel_missing, int4_weight
+from app.models.quant_int4 import INT4_GROUP, QUANTIZE_ROWS, Int4Linear, int4_kernel_missing, int4_weight
 from app.models.weight_memory import weight_bytes_by_format
 
 from conftest import build_tiny_model
@@ -268,7 +268,7 @@ def test_int4_on_a_q4k_grid_keeps_its_codes():
     scale = torch.rand(out_f, in_f // INT4_GROUP, 1) * 0.01 + 1e-3
     minimum = torch.rand(out_f, in_f // INT4_GROUP, 1) * 0.05
     weight = (codes.reshape(out_f, -1, INT4_GROUP) * scale - minimum).reshape(out_f, in_f)
-    found, _, dequantized = int4_weight(weight, INT4_GROUP)
+    found, _, dequantized = int4_weight(weight, INT4_GROUP, dequantize=True)
     assert torch.equal(found, codes.to(torch.int32))
     assert relative_error(dequantized, weight) < 1e-6
     linear = nn.Linear(in_f, out_f, bias=False)
@@ -279,6 +279,22 @@ def test_int4_on_a_q4k_grid_keeps_its_codes():
 
 
 @INT4
+def test_a_weight_quantized_a_few_rows_at_a_time_gets_the_codes_of_the_whole_at_once():
+    """int4_weight takes QUANTIZE_ROWS rows at a time (a lower load peak): the same codes, scales and zeros as the
+    whole weight in one go, across a last chunk that is not full."""
+    weight = torch.randn(2 * QUANTIZE_ROWS + 37, 3 * INT4_GROUP).bfloat16()
+    codes, scales_and_zeros, dequantized = int4_weight(weight, INT4_GROUP, dequantize=True)
+    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    whole = torch.round((groups - low) / scale).clamp(0, 15)
+    assert torch.equal(codes, whole.to(torch.int32).reshape(weight.shape))
+    assert torch.equal(scales_and_zeros[..., 0], scale.squeeze(-1).t())
+    assert torch.equal(scales_and_zeros[..., 1], (low + 8 * scale).squeeze(-1).t())
+    assert torch.equal(dequantized, (whole * scale + low).reshape(weight.shape))
+    assert int4_weight(weight, INT4_GROUP)[2] is None
+
+
 def test_int4_wide_calls_multiply_the_same_4_bit_weights_in_bf16():
     """A call of more than DECODE_ROWS rows (a prefill chunk) multiplies a bf16 copy of the dequantized 4-bit
     weights instead of running the int4 kernel: each row's result is the one the kernel gives that row, up to the
