@@ -29,8 +29,6 @@ from app.models.cpu import cpu_features
 from app.models.int4_decode import Int4Kernel, fp16_scales
 
 INT4_GROUP = 32  # a Q4_K sub-block's size; the retired `benchmarks kernels --group-sizes` (at deca0b0) measured others
-
-
 QUANTIZE_ROWS = 512  # rows of a weight quantized at a time: each op's fp32 temporaries are this many rows, not all
 
 
