@@ -11,16 +11,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from app.config import Settings
-from app.models.fetch import fetch_model
-from app.models.loading import LoadedModel, load_model
 from benchmarks.processes import free_port, stop  # noqa: F401 (tests import them from here)
+
+# torch, transformers (through app.models.loading) and uvicorn are imported where they are used: this file loads in
+# xdist's controller process too, which runs no test, and importing them there cost 6 s of CPU (on a Zen 3) that the
+# two workers, collecting on the same two cores meanwhile, waited for.
+if TYPE_CHECKING:
+    from app.models.loading import LoadedModel
 
 MODEL_CACHE = Path(os.environ.get("MODEL_CACHE", Path.home() / ".cache" / "simple-serve"))
 CORPUS = [
@@ -114,6 +116,8 @@ def build_tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    import torch
+
     config = config_class(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                           tie_word_embeddings=False)
@@ -141,6 +145,8 @@ def tiny_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_tokenizer) -> LoadedModel:
+    from app.models.loading import LoadedModel
+
     model = build_tiny_model(len(tiny_tokenizer))
     im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     return LoadedModel(model=model, tokenizer=tiny_tokenizer, name="tiny", max_context=256, eos_ids=(im_end,),
@@ -149,6 +155,9 @@ def tiny_lm(tiny_tokenizer) -> LoadedModel:
 
 
 def _real(name: str, dtype: str) -> LoadedModel:
+    from app.models.fetch import fetch_model
+    from app.models.loading import load_model
+
     return load_model(str(fetch_model(name, MODEL_CACHE)), device="cpu", dtype=dtype)
 
 
@@ -202,6 +211,8 @@ class ThreadServer:
     """A real uvicorn server on a loopback port, in a background thread of the test process."""
 
     def __init__(self, app):
+        import uvicorn
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
@@ -247,6 +258,9 @@ def real_api_key() -> str:
 def tiny_vlm() -> LoadedModel:
     """A tiny random LLaVA (tests/vision_models.py) as the server loads a vision model: its language model for the
     engine, its vision tower and processor for a request's images."""
+    import torch
+
+    from app.models.loading import LoadedModel
     from app.models.vision import VisionEncoder, text_model
     from vision_models import build
 
@@ -260,6 +274,7 @@ def tiny_vlm() -> LoadedModel:
 @pytest.fixture
 def make_vision_server(tiny_vlm):
     """Build a server around the tiny LLaVA with the given settings; closed at the end of the test."""
+    from app.config import Settings
     from app.main import create_app
 
     servers: list[ThreadServer] = []
@@ -277,6 +292,7 @@ def make_vision_server(tiny_vlm):
 @pytest.fixture
 def make_tiny_server(tiny_lm):
     """Build a server around the tiny model with the given settings; closed at the end of the test."""
+    from app.config import Settings
     from app.main import create_app
 
     servers: list[ThreadServer] = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
 import httpx
 import pytest
 from conftest import ThreadServer
@@ -149,6 +148,8 @@ def test_thinking_and_tool_use_blocks(caller):
 
 @pytest.mark.full
 def test_sdk_thinking_and_tool_round_trip(caller):
+    import anthropic  # here, not at the top: the SDK takes seconds to import, and every worker collects this file
+
     client = anthropic.Anthropic(base_url=caller.url, api_key="unused", max_retries=0)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     thinking = {"type": "enabled", "budget_tokens": 30}
@@ -250,6 +251,8 @@ def test_failure_mid_stream_is_an_error_event(make_tiny_server, monkeypatch):
 
 
 def test_sdk_create_stream_count_and_missing_max_tokens(tiny):
+    import anthropic
+
     client = anthropic.Anthropic(base_url=tiny.url, api_key="unused", max_retries=0)
     extra = {"ignore_eos": True, "temperature": 0}  # today's SDK sends no temperature: it travels in extra_body
     message = client.messages.create(model="tiny", max_tokens=10, system="Be brief.",

@@ -126,6 +126,7 @@ def test_a_huge_completion_window_is_a_400_not_a_500(make_tiny_server, tmp_path)
     assert r.status_code == 400 and r.json()["error"]["param"] == "completion_window"
 
 
+@pytest.mark.full  # the batch must still run when the delete comes: 40 answers, 7 s on a Zen 3
 def test_an_input_file_in_use_is_kept_until_its_batch_ends(make_tiny_server, tmp_path):
     server = make_tiny_server(batch_dir=tmp_path / "batches", batch_concurrency=1)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")

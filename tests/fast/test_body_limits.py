@@ -213,7 +213,7 @@ def test_a_client_gone_halfway_through_its_body_is_a_499_not_a_500(make_tiny_ser
     assert f'endpoint="{CHAT}",status="499"' in metrics and 'status="500"' not in metrics
 
 
-@pytest.mark.parametrize("chunk", [5, 64, 1 << 16])
+@pytest.mark.parametrize("chunk", [pytest.param(5, marks=pytest.mark.full), 64, 1 << 16])  # 5: 3 s on a Zen 3
 def test_json_shape_reads_depth_and_list_lengths_as_the_parser_would_across_chunk_edges(monkeypatch, chunk):
     # json_shape reads the raw bytes CHUNK at a time; with small chunks every escape, string and key crosses an edge
     import random

@@ -170,6 +170,7 @@ def test_chat_model_asked_for_embeddings_gets_a_400_naming_its_endpoints(make_ti
     assert "/v1/chat/completions" in httpx.get(f"{server.url}/v1/models").json()["data"][0]["endpoints"]
 
 
+@pytest.mark.full  # sentence-transformers' CrossEncoder and a server of its own: 4 s on a Zen 3
 def test_cross_encoder_server_reranks_by_its_pair_scores_and_gives_no_embeddings(tmp_path):
     sentence_transformers = pytest.importorskip("sentence_transformers")
     path = build_tiny_cross_encoder_dir(tmp_path / "tiny-reranker")

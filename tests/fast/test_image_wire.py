@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -197,6 +196,8 @@ def test_openai_sdk_image_url_to_a_text_model_is_a_400_naming_the_part(tiny):
 
 
 def test_anthropic_sdk_image_block_to_a_text_model_is_a_400_naming_the_block(tiny):
+    import anthropic  # here: the SDK takes seconds to import, and every worker collects this file
+
     client = anthropic.Anthropic(base_url=tiny.url, api_key="unused", max_retries=0)
     content = [{"type": "text", "text": "What is this?"},
                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}]

@@ -116,6 +116,7 @@ def test_the_package_draws_no_charts_reads_no_docs_builds_no_peer_and_names_no_i
         assert not re.search(r"\bissues? #?\d", text, re.I), f"{name} names an issue number"
 
 
+@pytest.mark.full  # a process of its own: 3-4 s on a Zen 3
 def test_serve_and_generate_import_no_benchmark():
     """Parsing `serve`'s flags (as every start does) loads the server's modules only."""
     code = ("import sys\nfrom app.__main__ import main\n"

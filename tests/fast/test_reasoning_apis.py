@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import anthropic
 import openai
 import pytest
 from conftest import ThreadServer, build_tiny_tokenizer
@@ -148,6 +147,8 @@ def test_responses_carry_a_reasoning_item(family):
 @pytest.mark.full
 def test_messages_carry_a_thinking_block(family):
     """Anthropic's `thinking: enabled` also sets the `thinking` template switch (Granite's)."""
+    import anthropic  # here: the SDK takes seconds to import, and every worker collects this file
+
     name, server, _ = family
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     thinking = {"type": "enabled", "budget_tokens": 1024}

@@ -126,6 +126,7 @@ def test_requests_are_unaffected_when_the_collector_is_down(make_tiny_server, mo
         time.sleep(0.1)  # the batch processor tries its export meanwhile
 
 
+@pytest.mark.full  # a process of its own: 11 s on a Zen 3
 def test_without_an_endpoint_the_sdk_is_never_imported(tiny_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     code = ("import sys; from app.config import Settings; from app.main import create_app; "

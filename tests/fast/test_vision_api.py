@@ -9,7 +9,6 @@ import io
 import time
 import zlib
 
-import anthropic
 import httpx
 import numpy as np
 import openai
@@ -82,6 +81,8 @@ def test_the_same_image_twice_hits_the_prefix_cache_and_another_image_does_not(s
 
 
 def test_the_anthropic_sdk_sends_an_image_block(server, tiny_vlm):
+    import anthropic  # here: the SDK takes seconds to import, and every worker collects this file
+
     red = png_url(1)
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     answer = client.messages.create(model="tiny-llava", max_tokens=6, extra_body={"temperature": 0}, messages=[
