@@ -78,8 +78,12 @@ batch: setup
 # xdist would hand out files by their count of tests, which leaves the few-test, minutes-long real-model and server
 # files for the end, where one worker runs them while the other has nothing left; tests/conftest.py orders those
 # first instead (HeavyFilesFirst), and --no-loadscope-reorder keeps that order.
+# --max-worker-restart 0: a worker that dies (the kernel's OOM killer stopped one on a 24 GB AVX2-only Zen 3)
+# ends the pass, red, with its test named. xdist's default starts another, and under --dist loadfile the pass then
+# waited forever with both workers idle.
 TEST_WORKERS ?= 2
-PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	--max-worker-restart 0
 FAST_LANE := tests/fast -m "not full and not real_model and not server and not alone"
 LEAN := -p no:langsmith_plugin -p no:schemathesis  # plugins only some passes use: each costs seconds to load
 # The files that mark a test `alone`: the alone pass collects these only (17 s against 33 s for every folder here).

@@ -37,6 +37,7 @@ def build(name: str, source: Path, includes: tuple[Path, ...] = ()) -> tuple[Any
 
         folder = BUILDS / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
         folder.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(folder / "lock")
         started = time.perf_counter()
         # -fopenmp: at::parallel_for is inline OpenMP, serial without it; it joins torch's own libgomp at run time
         module = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
@@ -46,6 +47,21 @@ def build(name: str, source: Path, includes: tuple[Path, ...] = ()) -> tuple[Any
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch version instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return None, f"{source.name} could not be built ({type(err).__name__}: {first[:200]})"
+
+
+# A build takes about a minute (36-46 s with g++ 12 on a Zen 4); a lock this old was left by a process that died
+# while building (killed, or its machine stopped), and cpp_extension would wait for it forever.
+STALE_LOCK_S = 900
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        log.warning("%s is %.0f s old: a build that died left it; removing it", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -47,18 +47,28 @@ def save_adapter(path: str, where, seed: int, targets: list[str], rank: int):
 @pytest.mark.parametrize("model_name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_base_and_two_adapters_in_one_batch_equal_their_own_references_in_fp32(model_name, tmp_path):
     path = str(fetch_model(model_name, MODEL_CACHE))
+    # One fp32 copy of the model at a time: the references first, each freed before the next, then ours. Held
+    # together (ours, the base's reference and peft's merged model: 6 GB for Qwen), they were the largest part of
+    # a worker that the kernel's OOM killer stopped on a 24 GB AVX2-only Zen 3, where the suite's servers run fp32.
     lm = load_model(path, device="cpu", dtype="float32", prepack="false")
     prompts = [lm.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS]
+    eos_ids = lm.eos_ids
+    del lm  # loaded again below, once the references are done
+    gc.collect()
     with torch.inference_mode():
-        expected = {None: [reference(hf_model(path), ids, NEW_TOKENS, lm.eos_ids) for ids in prompts]}
+        base = hf_model(path)
+        expected = {None: [reference(base, ids, NEW_TOKENS, eos_ids) for ids in prompts]}
+        del base
+        gc.collect()
     paths = {}
     for name, (seed, targets, rank) in ADAPTERS.items():
         paths[name] = str(tmp_path / name)
         merged = save_adapter(path, paths[name], seed, targets, rank)
         with torch.inference_mode():
-            expected[name] = [reference(merged, ids, NEW_TOKENS, lm.eos_ids) for ids in prompts]
+            expected[name] = [reference(merged, ids, NEW_TOKENS, eos_ids) for ids in prompts]
         del merged
         gc.collect()
+    lm = load_model(path, device="cpu", dtype="float32", prepack="false")
     requests = [(ids, name) for ids in prompts for name in (None, "alpha", "beta")]
     tokens, _, engine = serve(lm, LoraAdapters(lm.name, paths), requests, n=NEW_TOKENS)
     assert engine.batch_decode
