@@ -113,11 +113,10 @@ def build_tiny_tokenizer(vocab_size: int = 400):
 
 
 def build_tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0):
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    import torch
-
     config = config_class(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                           tie_word_embeddings=False)
