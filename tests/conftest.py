@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,7 @@ def pytest_configure(config):
     AVX2-only CPU model and says so through TEST_EXPECT_AVX2_ONLY: a broken emulator that let torch see AVX-512
     would pass the pass without testing it."""
     config.pluginmanager.register(HeavyFilesFirst())
+    config.pluginmanager.register(HELD)
     if os.environ.get("TEST_EXPECT_AVX2_ONLY"):
         from app.models.cpu import cpu_features
 
@@ -160,14 +161,59 @@ def _real(name: str, dtype: str) -> LoadedModel:
     return load_model(str(fetch_model(name, MODEL_CACHE)), device="cpu", dtype=dtype)
 
 
-@pytest.fixture(scope="session")
+class HeldWhileFilesUseThem:
+    """What a worker holds across files only while the files it runs use it: an fp32 real model (2.4 GB for the
+    default one) and the shared real-model server process (4.9 GB in fp32, its weights and their packed copies).
+
+    Held for the whole session, as they were, a worker kept each for every later file: on a 24 GB AVX2-only Zen 3,
+    where both models load in fp32, the two workers held two shared servers, each its own fp32 models and one an
+    adapter test's three copies, and the kernel's OOM killer stopped a worker. The fixtures are module-scoped and
+    take their value from here; after a file's last test, what the next file on this worker does not use is let go
+    (consecutive files that use one keep it: the heavy files are handed out first, together)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, tuple[object, Callable[[], None]]] = {}
+
+    def get(self, name: str, make: Callable[[], tuple[object, Callable[[], None]]]) -> object:
+        if name not in self.held:
+            self.held[name] = make()
+        return self.held[name][0]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        yield  # the module's fixtures are finalized first, so that nothing but self.held refers to them
+        if not self.held or (nextitem is not None and nextitem.path == item.path):
+            return
+        wanted = set() if nextitem is None else {
+            name for other in item.session.items if other.path == nextitem.path for name in other.fixturenames}
+        dropped = [name for name in self.held if name not in wanted]
+        for name in dropped:
+            self.held.pop(name)[1]()
+        if dropped:
+            import gc
+
+            from app.heap import release_free_heap
+
+            gc.collect()  # a model's modules refer to each other; their tensors go only with the cycle
+            release_free_heap()
+
+    def pytest_sessionfinish(self):
+        """A run stopped early (-x, Ctrl-C) still stops the server process it started."""
+        while self.held:
+            self.held.popitem()[1][1]()
+
+
+HELD = HeldWhileFilesUseThem()
+
+
+@pytest.fixture(scope="module")
 def qwen_fp32() -> LoadedModel:
-    return _real("qwen2.5-coder-0.5b-instruct", "float32")
+    return HELD.get("qwen_fp32", lambda: (_real("qwen2.5-coder-0.5b-instruct", "float32"), lambda: None))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm_fp32() -> LoadedModel:
-    return _real("smollm2-135m-instruct", "float32")
+    return HELD.get("smollm_fp32", lambda: (_real("smollm2-135m-instruct", "float32"), lambda: None))
 
 
 def wait_until_ready(url: str, timeout: float, exited=lambda: None, interval: float = 0.05) -> None:
@@ -232,18 +278,21 @@ class ThreadServer:
         return self.app.state.serve
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_real_server(request, tmp_path_factory):
     """One `python -m app serve` process on the default model, with an API key (test_server_real.API_KEY), for the
     real clients' tests (the anthropic SDK, pydantic-ai, instructor, the openai SDK's tools, LangChain, the Agents
-    SDK): each start costs ~10 s of the lane, and none of them changes the server's settings."""
+    SDK): each start costs ~10 s of the lane, and none of them changes the server's settings. Its log is printed
+    when a test failed while it ran."""
     from test_server_real import finish, started
 
-    failed_before = request.session.testsfailed
-    srv = started(tmp_path_factory, "shared", MAX_ACTIVE="4", API_KEY=request.getfixturevalue("real_api_key"),
-                  SHUTDOWN_GRACE_S="5")
-    yield srv
-    finish(srv, request.session.testsfailed > failed_before)
+    def start():
+        failed_before = request.session.testsfailed
+        srv = started(tmp_path_factory, "shared", MAX_ACTIVE="4", API_KEY=request.getfixturevalue("real_api_key"),
+                      SHUTDOWN_GRACE_S="5")
+        return srv, lambda: finish(srv, request.session.testsfailed > failed_before)
+
+    return HELD.get("shared_real_server", start)
 
 
 @pytest.fixture(scope="session")
