@@ -160,41 +160,56 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma"))
   }
 }
 
-// AVX2: each 8-row half of the tile in turn; a row's 8 chunks summed in int16 (at most 8 x 2 x 15 x 127 = 30,480).
+// AVX2: each 8-row half of the tile; a row's 8 chunks summed in int16 (at most 8 x 2 x 15 x 127 = 30,480). With
+// one or two activation rows both halves are done in one pass over the groups, so each block is used while it is in
+// L1, and the block PREFETCH ahead is asked for. On a Zen 3 (2 cores), over 24 layers of 0.5B shapes (224 MB, out of
+// cache), a step took 11.1 ms against 13.2 at one row and 12.2 against 16.1 at two (medians of 6, alternated);
+// the same at 4 and 8. Each output's sums run in the same order as before: the same bits.
+constexpr int64_t PREFETCH = 32;
+
 template <int ROWS, typename T>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const Activations& a, int64_t m0,
                                                         int64_t k, T* out, int64_t n, int64_t t) {
+  constexpr int AT_ONCE = ROWS <= 2 ? 2 : 1;  // halves per pass: 2 x ROWS accumulators fit the 16 registers
   const int64_t groups = k / GROUP;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[ROWS];
-    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += AT_ONCE) {
+    __m256 acc[AT_ONCE][ROWS];
+    for (int hh = 0; hh < AT_ONCE; ++hh)
+      for (int i = 0; i < ROWS; ++i) acc[hh][i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* blk = w + g * BLOCK;
-      __m256i s[ROWS];
-      for (int i = 0; i < ROWS; ++i) s[i] = _mm256_setzero_si256();
-      for (int seg = 0; seg < 4; ++seg) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * seg + 32 * h));
-        const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+      if (h0 == 0)
+        for (int64_t line = 0; line < BLOCK; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH * BLOCK + line), _MM_HINT_T0);
+      for (int hh = 0; hh < AT_ONCE; ++hh) {
+        const int h = h0 + hh;
+        __m256i s[ROWS];
+        for (int i = 0; i < ROWS; ++i) s[i] = _mm256_setzero_si256();
+        for (int seg = 0; seg < 4; ++seg) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * seg + 32 * h));
+          const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          for (int i = 0; i < ROWS; ++i) {
+            const int8_t* q = a.q.data() + (m0 + i) * k + g * GROUP;
+            int32_t first, second;
+            std::memcpy(&first, q + 4 * seg, 4);
+            std::memcpy(&second, q + 16 + 4 * seg, 4);
+            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(first)));
+            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(second)));
+          }
+        }
+        const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + SCALES + 16 * h)));
+        const __m256 mw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + MINIMUMS + 16 * h)));
         for (int i = 0; i < ROWS; ++i) {
-          const int8_t* q = a.q.data() + (m0 + i) * k + g * GROUP;
-          int32_t first, second;
-          std::memcpy(&first, q + 4 * seg, 4);
-          std::memcpy(&second, q + 16 + 4 * seg, 4);
-          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(first)));
-          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(second)));
+          const int64_t at = (m0 + i) * groups + g;
+          const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[at]));
+          acc[hh][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones)), scale, acc[hh][i]);
+          acc[hh][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[at]), acc[hh][i]);
         }
       }
-      const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + SCALES + 16 * h)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + MINIMUMS + 16 * h)));
-      for (int i = 0; i < ROWS; ++i) {
-        const int64_t at = (m0 + i) * groups + g;
-        const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[at]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones)), scale, acc[i]);
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[at]), acc[i]);
-      }
     }
-    store_half<ROWS>(acc, out, m0, n, t, h);
+    for (int hh = 0; hh < AT_ONCE; ++hh) store_half<ROWS>(acc[hh], out, m0, n, t, h0 + hh);
   }
 }
 
