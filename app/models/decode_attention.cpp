@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,7 +38,8 @@ constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e
 
 struct Scalar {  // one lane: the baseline build, and the tails of the vector paths
   using V = float;
-  static constexpr int64_t W = 1, HEADS = 4, SCORE_HEADS = 8;
+  static constexpr int64_t W = 1, HEADS = 4;
+  static constexpr int value_cols(int) { return 4; }
   static INLINE V zero() { return 0.f; }
   static INLINE V set1(float v) { return v; }
   static INLINE V load(const float* p) { return *p; }
@@ -71,8 +73,10 @@ struct Scalar {  // one lane: the baseline build, and the tails of the vector pa
 
 struct Avx2 {
   using V = __m256;
-  // 16 registers: 2 heads x 4 vectors of channels and 4 of a value row; 4 heads' scores and partial sums
-  static constexpr int64_t W = 8, HEADS = 2, SCORE_HEADS = 4;
+  // 16 registers: 2 heads x 4 vectors of dense value columns and 4 of a value row; 8-bit value columns: HS heads x
+  // COLS sums, COLS of the row, the weight and the scale
+  static constexpr int64_t W = 8, HEADS = 2;
+  static constexpr int value_cols(int heads) { return heads <= 2 ? 4 : heads <= 6 ? 2 : 1; }
   static AVX2 INLINE V zero() { return _mm256_setzero_ps(); }
   static AVX2 INLINE V set1(float v) { return _mm256_set1_ps(v); }
   static AVX2 INLINE V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -124,8 +128,10 @@ struct Avx2 {
 
 struct Avx512 {
   using V = __m512;
-  // 32 registers: 4 heads x 4 vectors of channels and 4 of a value row; 8 heads' scores and partial sums
-  static constexpr int64_t W = 16, HEADS = 4, SCORE_HEADS = 8;
+  // 32 registers: 4 heads x 4 vectors of dense value columns and 4 of a value row; 8-bit value columns as on AVX2
+  // in twice the registers
+  static constexpr int64_t W = 16, HEADS = 4;
+  static constexpr int value_cols(int heads) { return heads <= 6 ? 4 : 2; }
   static AVX512 INLINE V zero() { return _mm512_setzero_ps(); }
   static AVX512 INLINE V set1(float v) { return _mm512_set1_ps(v); }
   static AVX512 INLINE V load(const float* p) { return _mm512_loadu_ps(p); }

@@ -34,23 +34,27 @@ INLINE void dense_scores(const float* q, int64_t heads, int64_t d, const Part& k
 }
 
 // One block of W tokens' scores over 8-bit keys kept tokens innermost, for HS heads (a count known when compiled,
-// so that the sums stay in registers): each group's partial dot (the codes times the query) times its scales.
+// so that the sums stay in registers): each channel's codes times their group's scales (exact in fp32: 8 bits times
+// fp16's 11), the key as the torch version dequantizes it, then a multiply-add per head. Widened and scaled once
+// for all HS heads, with HS sums in registers (not HS partial sums beside them), so a whole GQA group of up to 8
+// heads is one pass on AVX2 too: each code is read and widened once, not twice for Qwen2.5's 6 to 8 heads.
 template <int HS>
 INLINE void int8_block(const float* q, int64_t d, const Part& k, int64_t groups, int64_t t0, int64_t n, float* s) {
   const int8_t* codes = static_cast<const int8_t*>(k.codes);
-  V acc[HS], part[HS];
+  V acc[HS];
   for (int h = 0; h < HS; ++h) acc[h] = S::zero();
   for (int64_t g = 0; g < groups; ++g) {
-    for (int h = 0; h < HS; ++h) part[h] = S::zero();
-    for (int64_t c = g * k.group; c < (g + 1) * k.group; ++c) {
-      const V kc = S::load(codes + c * k.channel_stride + t0);
-      for (int h = 0; h < HS; ++h) part[h] = S::fma(S::set1(q[h * d + c]), kc, part[h]);
-    }
     const V scale = S::load(k.scales + g * k.scale_channel_stride + t0);
-    for (int h = 0; h < HS; ++h) acc[h] = S::fma(part[h], scale, acc[h]);
+    for (int64_t c = g * k.group; c < (g + 1) * k.group; ++c) {
+      const V kc = S::mul(S::load(codes + c * k.channel_stride + t0), scale);
+      for (int h = 0; h < HS; ++h) acc[h] = S::fma(S::set1(q[h * d + c]), kc, acc[h]);
+    }
   }
   for (int h = 0; h < HS; ++h) S::store(s + h * n + t0, acc[h]);
 }
+
+// Heads an 8-bit key is scored for at once: their sums, the codes and their scale fit AVX2's 16 registers.
+constexpr int64_t SCORE_HEADS = 8;
 
 // s [heads, n] = q [heads, d] (scaled) . each 8-bit key, W tokens at a time, then the last few one at a time.
 INLINE void int8_scores(const float* q, int64_t heads, int64_t d, const Part& k, int64_t n, float* s) {
@@ -68,10 +72,10 @@ INLINE void int8_scores(const float* q, int64_t heads, int64_t d, const Part& k,
         __builtin_prefetch(k.scales + g * k.scale_channel_stride + t0 + PREFETCH_TOKENS + 32);
       }
     }
-    for (int64_t h0 = 0; h0 < heads; h0 += S::SCORE_HEADS) {
+    for (int64_t h0 = 0; h0 < heads; h0 += SCORE_HEADS) {
       const float* qh = q + h0 * d;
       float* sh = s + h0 * n;
-      switch (std::min(S::SCORE_HEADS, heads - h0)) {
+      switch (std::min(SCORE_HEADS, heads - h0)) {
         case 1: int8_block<1>(qh, d, k, groups, t0, n, sh); break;
         case 2: int8_block<2>(qh, d, k, groups, t0, n, sh); break;
         case 3: int8_block<3>(qh, d, k, groups, t0, n, sh); break;
@@ -84,14 +88,13 @@ INLINE void int8_scores(const float* q, int64_t heads, int64_t d, const Part& k,
     }
   }
   const int8_t* codes = static_cast<const int8_t*>(k.codes);
-  for (int64_t t = t0; t < n; ++t) {  // the last tokens, one at a time, each group's partial dot as above
+  for (int64_t t = t0; t < n; ++t) {  // the last tokens, one at a time, each key dequantized as above
     for (int64_t h = 0; h < heads; ++h) {
       float total = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        float part = 0.f;
+        const float scale = S::half(k.scales + g * k.scale_channel_stride + t);
         for (int64_t c = g * k.group; c < (g + 1) * k.group; ++c)
-          part = Scalar::fma(q[h * d + c], Scalar::load(codes + c * k.channel_stride + t), part);
-        total = Scalar::fma(part, S::half(k.scales + g * k.scale_channel_stride + t), total);
+          total = Scalar::fma(q[h * d + c], Scalar::load(codes + c * k.channel_stride + t) * scale, total);
       }
       s[h * n + t] = total;
     }
@@ -146,13 +149,46 @@ INLINE void value_columns(const float* p, int64_t heads, int64_t n, const Part& 
   }
 }
 
-// out [heads, dv] = sum over tokens of p[h, t] x value t (channels innermost), 4 vectors of channels at a time;
-// dv a multiple of S::W.
+// out [HS, dv] for HS heads of an 8-bit cache: their columns S::value_cols(HS) vectors at a time (as many as the
+// registers hold beside HS heads' sums), then one at a time.
+template <int HS>
+INLINE void int8_values(const float* p, int64_t n, const Part& v, int64_t dv, float* out) {
+  constexpr int COLS = S::value_cols(HS);
+  int64_t c0 = 0;
+  for (; c0 + COLS * S::W <= dv; c0 += COLS * S::W) value_block<int8_t, HS, COLS>(p, n, v, c0, dv, out);
+  for (; c0 < dv; c0 += S::W) value_block<int8_t, HS, 1>(p, n, v, c0, dv, out);
+}
+
+// out [heads, dv] = sum over tokens of p[h, t] x value t (channels innermost); dv a multiple of S::W.
+// Dense values: 4 vectors of columns at a time, S::HEADS heads a pass over the tokens, the head passes of one block of
+// columns one after the other (the second reads the rows' lines the first left in cache).
+// 8-bit values: up to 8 heads a pass (a whole GQA group of Qwen2.5's 6 to 8 query heads), since each code is widened
+// and scaled once for all the heads of a pass. Timed on a Zen 3 (AVX2, 2 threads, 4,096 tokens of context, every
+// layer of the 0.5B to 7B shapes, medians of 9 alternated with the old build): the 8-bit cache's attention 14-19%
+// less a step than in the dense layout; dense values measured no faster in this one (up to 10% slower: the second
+// pass of a block of columns then reads from further out), so they keep theirs. The same bits either way.
 template <typename T>
 INLINE void weighted_values(const float* p, int64_t heads, int64_t n, const Part& v, int64_t dv, float* out) {
-  int64_t c0 = 0;
-  for (; c0 + 4 * S::W <= dv; c0 += 4 * S::W) value_columns<T, 4>(p, heads, n, v, c0, dv, out);
-  for (; c0 < dv; c0 += S::W) value_columns<T, 1>(p, heads, n, v, c0, dv, out);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+      const float* ph = p + h0 * n;
+      float* oh = out + h0 * dv;
+      switch (std::min<int64_t>(8, heads - h0)) {
+        case 1: int8_values<1>(ph, n, v, dv, oh); break;
+        case 2: int8_values<2>(ph, n, v, dv, oh); break;
+        case 3: int8_values<3>(ph, n, v, dv, oh); break;
+        case 4: int8_values<4>(ph, n, v, dv, oh); break;
+        case 5: int8_values<5>(ph, n, v, dv, oh); break;
+        case 6: int8_values<6>(ph, n, v, dv, oh); break;
+        case 7: int8_values<7>(ph, n, v, dv, oh); break;
+        default: int8_values<8>(ph, n, v, dv, oh); break;
+      }
+    }
+  } else {
+    int64_t c0 = 0;
+    for (; c0 + 4 * S::W <= dv; c0 += 4 * S::W) value_columns<T, 4>(p, heads, n, v, c0, dv, out);
+    for (; c0 < dv; c0 += S::W) value_columns<T, 1>(p, heads, n, v, c0, dv, out);
+  }
 }
 
 // Each head's row of s [heads, n] -> its softmax, in place.

@@ -62,10 +62,12 @@ def fp32(part) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", paths())
 @pytest.mark.parametrize("kind", ["bf16", "fp32", "int8"])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (12, 1, 128), (20, 2, 40), (6, 3, 36), (4, 4, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (12, 1, 128), (20, 2, 40), (12, 2, 40), (6, 3, 36),
+                                               (4, 4, 64)])
 def test_each_path_matches_the_torch_version(module, path, kind, heads, kv_heads, dim):
     # 10 query heads a KV head: past the 8 a pass keeps in registers. 40 and 36 channels: not whole AVX-512 (or
-    # AVX2) vectors, so those paths hand the head to the next narrower body. 4 heads on 4: no grouping at all.
+    # AVX2) vectors, so those paths hand the head to the next narrower body. 6 a KV head over 40 channels: an 8-bit
+    # cache's values two AVX2 vectors of columns a pass, then one. 4 heads on 4: no grouping at all.
     if kind == "int8" and dim % 4:
         dim += 4 - dim % 4  # the 8-bit cache keeps keys in groups of 4 channels
     caches = [cached(kind, kv_heads, n, dim, seed) for seed, n in enumerate(LENGTHS)]
