@@ -33,6 +33,22 @@ INLINE void dense_scores(const float* q, int64_t heads, int64_t d, const Part& k
   }
 }
 
+// f(std::integral_constant<int, HS>{}) for HS = min(count, 8): a head count known when compiled, so that a pass's
+// HS sums stay in registers.
+template <typename F>
+INLINE void with_heads(int64_t count, F&& f) {
+  switch (std::min<int64_t>(count, 8)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // One block of W tokens' scores over 8-bit keys kept tokens innermost, for HS heads (a count known when compiled,
 // so that the sums stay in registers): each channel's codes times their group's scales (exact in fp32: 8 bits times
 // fp16's 11), the key as the torch version dequantizes it, then a multiply-add per head. Widened and scaled once
@@ -53,9 +69,6 @@ INLINE void int8_block(const float* q, int64_t d, const Part& k, int64_t groups,
   for (int h = 0; h < HS; ++h) S::store(s + h * n + t0, acc[h]);
 }
 
-// Heads an 8-bit key is scored for at once: their sums, the codes and their scale fit AVX2's 16 registers.
-constexpr int64_t SCORE_HEADS = 8;
-
 // s [heads, n] = q [heads, d] (scaled) . each 8-bit key, W tokens at a time, then the last few one at a time.
 INLINE void int8_scores(const float* q, int64_t heads, int64_t d, const Part& k, int64_t n, float* s) {
   const int64_t groups = d / k.group;
@@ -72,19 +85,10 @@ INLINE void int8_scores(const float* q, int64_t heads, int64_t d, const Part& k,
         __builtin_prefetch(k.scales + g * k.scale_channel_stride + t0 + PREFETCH_TOKENS + 32);
       }
     }
-    for (int64_t h0 = 0; h0 < heads; h0 += SCORE_HEADS) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 8) {  // 8 heads' sums, the codes and their scale: AVX2's 16 registers
       const float* qh = q + h0 * d;
       float* sh = s + h0 * n;
-      switch (std::min(SCORE_HEADS, heads - h0)) {
-        case 1: int8_block<1>(qh, d, k, groups, t0, n, sh); break;
-        case 2: int8_block<2>(qh, d, k, groups, t0, n, sh); break;
-        case 3: int8_block<3>(qh, d, k, groups, t0, n, sh); break;
-        case 4: int8_block<4>(qh, d, k, groups, t0, n, sh); break;
-        case 5: int8_block<5>(qh, d, k, groups, t0, n, sh); break;
-        case 6: int8_block<6>(qh, d, k, groups, t0, n, sh); break;
-        case 7: int8_block<7>(qh, d, k, groups, t0, n, sh); break;
-        default: int8_block<8>(qh, d, k, groups, t0, n, sh); break;
-      }
+      with_heads(heads - h0, [&](auto hs) { int8_block<decltype(hs)::value>(qh, d, k, groups, t0, n, sh); });
     }
   }
   const int8_t* codes = static_cast<const int8_t*>(k.codes);
@@ -173,16 +177,7 @@ INLINE void weighted_values(const float* p, int64_t heads, int64_t n, const Part
     for (int64_t h0 = 0; h0 < heads; h0 += 8) {
       const float* ph = p + h0 * n;
       float* oh = out + h0 * dv;
-      switch (std::min<int64_t>(8, heads - h0)) {
-        case 1: int8_values<1>(ph, n, v, dv, oh); break;
-        case 2: int8_values<2>(ph, n, v, dv, oh); break;
-        case 3: int8_values<3>(ph, n, v, dv, oh); break;
-        case 4: int8_values<4>(ph, n, v, dv, oh); break;
-        case 5: int8_values<5>(ph, n, v, dv, oh); break;
-        case 6: int8_values<6>(ph, n, v, dv, oh); break;
-        case 7: int8_values<7>(ph, n, v, dv, oh); break;
-        default: int8_values<8>(ph, n, v, dv, oh); break;
-      }
+      with_heads(heads - h0, [&](auto hs) { int8_values<decltype(hs)::value>(ph, n, v, dv, oh); });
     }
   } else {
     int64_t c0 = 0;
